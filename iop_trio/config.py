@@ -1,0 +1,160 @@
+"""Role configuration: YAML files structured strictly into attrs classes.
+
+Every key has a safe default where one exists; an unknown key or a wrong type is a
+:class:`ConfigError` that names the file and the key path (``edge.yaml: extra fields found
+(colour) @ $.tls``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import cattrs
+import yaml
+from attrs import define, field, frozen
+
+from .transport.tls import TlsConfig
+from .wire.converter import describe_error, make_strict_converter
+from .wire.framing import DEFAULT_MAX_FRAME_SIZE
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file is missing, not YAML, or does not match its schema."""
+
+
+@frozen
+class HttpConfig:
+    listen: str = "127.0.0.1:8080"
+    #: Largest accepted request body, in bytes.
+    max_body_size: int = 16 * 1024 * 1024
+    #: Seconds in-flight HTTP requests get to finish on shutdown.
+    graceful_timeout: float = 30.0
+
+
+@frozen
+class IopListenConfig:
+    listen: str = "127.0.0.1:7070"
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    handshake_timeout: float = 10.0
+    register_timeout: float = 10.0
+
+
+@frozen
+class NodeDefaults:
+    """Centrally managed node settings, sent to every node in ``register.response``."""
+
+    max_concurrency: int = 64
+    heartbeat_interval: float = 30.0
+
+
+@frozen
+class EdgeConfig:
+    http: HttpConfig = HttpConfig()
+    iop: IopListenConfig = IopListenConfig()
+    tls: TlsConfig = TlsConfig()
+    data_dir: str = "iop-data/edge"
+    #: Bearer keys accepted by the HTTP API; empty means no authentication.
+    api_keys: tuple[str, ...] = ()
+    nodes: NodeDefaults = NodeDefaults()
+    #: Budget for telling a node to cancel a run whose client went away.
+    cancel_timeout: float = 5.0
+    #: Default deadline for a run, in seconds (0 = none).
+    run_deadline: float = 600.0
+    log_level: str = "info"
+
+    @property
+    def database(self) -> Path:
+        return Path(self.data_dir) / "edge.db"
+
+
+@frozen
+class ModelConfig:
+    """A model this node serves: the client-facing ``name``, the adapter that runs it, the name
+    the backend knows it by (defaults to ``name``) and adapter-specific ``options``."""
+
+    name: str
+    adapter: str
+    backend_model: str = ""
+    options: dict[str, Any] = field(factory=dict)
+
+
+@frozen
+class ReconnectConfig:
+    initial: float = 0.5
+    maximum: float = 30.0
+
+
+@define
+class NodeSettings:
+    node_id: str = "node"
+    #: host:port of the edge's IOP listener.
+    edge: str = "127.0.0.1:7070"
+    #: Expected name in the edge's certificate; defaults to the host part of ``edge``.
+    server_name: str = ""
+    token: str = ""
+    token_file: str = ""
+    tls: TlsConfig = TlsConfig(cert="certs/node.crt", key="certs/node.key")
+    data_dir: str = "iop-data/node"
+    capacity: int = 16
+    labels: dict[str, str] = field(factory=dict)
+    models: tuple[ModelConfig, ...] = ()
+    adapters: dict[str, dict[str, Any]] = field(factory=dict)
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    handshake_timeout: float = 10.0
+    register_timeout: float = 10.0
+    reconnect: ReconnectConfig = ReconnectConfig()
+    #: Seconds in-flight runs get to finish after SIGTERM before they are cancelled.
+    shutdown_grace: float = 30.0
+    log_level: str = "info"
+
+    @property
+    def database(self) -> Path:
+        return Path(self.data_dir) / "runs.db"
+
+    def resolve_token(self) -> str:
+        if self.token:
+            return self.token
+        if self.token_file:
+            try:
+                return Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"token_file: cannot read {self.token_file}: {exc}") from exc
+        raise ConfigError("node config needs 'token' or 'token_file'")
+
+
+_converter = make_strict_converter()
+
+
+def structure(data: Any, cls: type[T], source: str) -> T:
+    """Structure plain data into ``cls``; errors name ``source`` and the key path."""
+    try:
+        return _converter.structure(data, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{source}: {describe_error(exc)}") from exc
+
+
+def load_config(path: str | Path, cls: type[T]) -> T:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    return structure(data, cls, str(path))
+
+
+def parse_host_port(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)

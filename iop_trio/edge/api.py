@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP API (quart-trio on hypercorn).
+
+A streaming response waits for the node's ``start`` event before sending headers, so a request
+that fails at once (unknown model on the node, node busy) still gets a proper HTTP status. After
+that, errors arrive as an SSE ``error`` event and the stream ends without ``[DONE]``.
+
+The cancel chain starts here: when the client disconnects, hypercorn cancels the task running the
+handler (or iterating the stream); ``EdgeRun.close`` in its ``finally`` sends ``cancel.request``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Response, g, request
+from quart_trio import QuartTrio
+
+from ..controlplane import NoNodeAvailable
+from .errors import ApiError, error_body
+from .openai_format import SSE_DONE, ResponseShaper, sse
+from .openai_requests import ParsedRequest, parse_chat, parse_completion, parse_json_object
+from .runs import EdgeRun
+from .state import EdgeState
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(body, separators=(",", ":")),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+def error_response(error: ApiError) -> Response:
+    return json_response(error.body(), error.status, error.headers)
+
+
+def create_app(state: EdgeState) -> QuartTrio:
+    app = QuartTrio(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = state.config.http.max_body_size
+    api_keys = tuple(state.config.api_keys)
+    metrics = state.metrics
+
+    def route_label() -> str:
+        return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        g.started = time.perf_counter()
+        if not api_keys or not request.path.startswith("/v1/"):
+            return None
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key, k) for k in api_keys):
+            return error_response(
+                ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            )
+        return None
+
+    @app.after_request
+    async def count(response: Response) -> Response:
+        route = route_label()
+        metrics.requests.labels(route=route, status=str(response.status_code)).inc()
+        if not g.get("streaming"):
+            metrics.request_duration.labels(route=route).observe(time.perf_counter() - g.started)
+        return response
+
+    @app.errorhandler(ApiError)
+    async def api_error(error: ApiError) -> Response:
+        return error_response(error)
+
+    @app.errorhandler(404)
+    async def not_found(_error: Exception) -> Response:
+        return json_response(error_body(f"Unknown request URL: {request.method} {request.path}."), 404)
+
+    @app.errorhandler(405)
+    async def not_allowed(_error: Exception) -> Response:
+        return json_response(error_body(f"Method {request.method} not allowed for {request.path}."), 405)
+
+    @app.errorhandler(413)
+    async def too_large(_error: Exception) -> Response:
+        limit = state.config.http.max_body_size
+        return json_response(error_body(f"Request body exceeds the limit of {limit} bytes."), 413)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return json_response({"status": "ok", "nodes": len(state.registry)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), content_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        data = [model_card(model) for model in state.registry.models()]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/v1/models/<path:model>")
+    async def get_model(model: str) -> Response:
+        if model not in state.registry.models():
+            raise ApiError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        return json_response(model_card(model))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await serve(parse_chat(parse_json_object(await request.get_data())))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await serve(parse_completion(parse_json_object(await request.get_data())))
+
+    async def serve(parsed: ParsedRequest) -> Response:
+        try:
+            run = await EdgeRun.open(state, parsed)
+        except NoNodeAvailable as exc:
+            headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+            kind = "invalid_request_error" if exc.status == 404 else "server_error"
+            raise ApiError(exc.status, exc.message, type=kind, code=exc.code, headers=headers) from exc
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        shaper = ResponseShaper(parsed.kind, prefix + run.run_id, parsed.model, int(time.time()), parsed.include_usage)
+        try:
+            # Wait for the node to start the run: an immediate failure is still an HTTP status.
+            await run.next_event()
+            if not parsed.stream:
+                return json_response(await collect(run, shaper))
+        except BaseException:
+            await run.close()
+            raise
+        g.streaming = True  # its duration is observed when the stream ends
+        response = Response(stream(run, shaper, g.started, route_label()), content_type="text/event-stream", headers=SSE_HEADERS)
+        response.timeout = None  # a long generation is not a stuck response
+        return response
+
+    async def collect(run: EdgeRun, shaper: ResponseShaper) -> dict[str, Any]:
+        pieces: list[str] = []
+        try:
+            while (event := await run.next_event()).kind != "complete":
+                pieces.append(event.text)
+        finally:
+            await run.close()
+        return shaper.complete("".join(pieces), run.finish_reason, run.final_usage())
+
+    async def stream(run: EdgeRun, shaper: ResponseShaper, started: float, route: str) -> AsyncIterator[bytes]:
+        try:
+            if shaper.kind == "chat":
+                yield shaper.chunk("", first=True)
+            while (event := await run.next_event()).kind != "complete":
+                yield shaper.chunk(event.text)
+            yield shaper.chunk(None if shaper.kind == "chat" else "", run.finish_reason)
+            if shaper.include_usage:
+                yield shaper.usage_chunk(run.final_usage())
+            yield SSE_DONE
+        except ApiError as error:
+            yield sse(error.body())
+        finally:
+            await run.close()
+            metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
+
+    return app
+
+
+def model_card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "iop-trio"}
+

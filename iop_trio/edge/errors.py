@@ -1,0 +1,53 @@
+"""Errors the HTTP API answers with, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: run.event error codes from nodes -> HTTP status of a non-streaming response.
+RUN_ERROR_STATUS = {
+    "model_not_found": 404,
+    "invalid_request": 400,
+    "node_busy": 429,
+    "node_draining": 503,
+    "node_lost": 502,
+    "deadline_exceeded": 504,
+    "cancelled": 499,
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def run_error(code: str, message: str) -> ApiError:
+    """The HTTP error for a run that ended with a node-side error."""
+    status = RUN_ERROR_STATUS.get(code, 502)
+    kind = "invalid_request_error" if status < 500 and status != 429 else "server_error"
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return ApiError(status, message, type=kind, code=code, headers=headers)

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the edge, in a registry of its own (several edges can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class EdgeMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "iop_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.runs = Counter("iop_runs", "Runs by final status", ["status"], registry=self.registry)
+        self.active_runs = Gauge("iop_active_runs", "Runs in flight", registry=self.registry)
+        self.connected_nodes = Gauge("iop_connected_nodes", "Registered nodes", registry=self.registry)
+        self.ttft = Histogram(
+            "iop_time_to_first_token_seconds",
+            "From request to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "iop_request_duration_seconds",
+            "From request to the last byte of the response",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

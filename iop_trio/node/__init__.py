@@ -1,0 +1,1 @@
+"""The node role: dials the edge, registers, and serves runs through adapters."""

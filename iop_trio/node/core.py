@@ -1,0 +1,179 @@
+"""The node core: runs each ``run.request`` in its own cancel scope and records how it ended.
+
+A run's scope lives in the connection's nursery, so three things can end it early and each is
+recorded as such: ``cancel.request`` (the scope's ``cancel()``), the run's deadline (a nested
+``move_on_after``), and the connection going away (the nursery's own cancellation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from ..adapters import BackendError, Completion, ExecutionSpec
+from ..store import RunOutcome, RunStore
+from ..transport import ConnectionClosed, FramedConnection
+from ..wire import CancelRequest, Error, Heartbeat, Message, NodeConfig, RunEvent, RunRequest
+from .router import Route, Router, UnknownModel
+from .run import RunTracker, final_event
+
+log = logging.getLogger("iop_trio.node")
+
+FINAL_EVENT_BUDGET = 1.0
+
+
+class NodeCore:
+    def __init__(self, node_id: str, router: Router, store: RunStore, max_concurrency: int) -> None:
+        self.node_id = node_id
+        self.router = router
+        self.store = store
+        self.max_concurrency = max_concurrency
+        self.draining = False
+        self._runs: dict[str, trio.CancelScope] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def active_runs(self) -> int:
+        return len(self._runs)
+
+    def apply(self, config: NodeConfig) -> None:
+        """Adopt the centrally managed settings from ``register.response``."""
+        self.max_concurrency = config.max_concurrency
+
+    def cancel(self, run_id: str) -> bool:
+        scope = self._runs.get(run_id)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    def cancel_all(self) -> None:
+        for scope in self._runs.values():
+            scope.cancel()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def handler(self, conn: FramedConnection) -> NodeConnectionHandler:
+        return NodeConnectionHandler(self, conn)
+
+    async def run(self, request: RunRequest, conn: FramedConnection) -> None:
+        """Execute one run to exactly one recorded end."""
+        if request.run_id in self._runs:
+            reason = f"run {request.run_id} is already running"
+            await conn.send(Error(code="duplicate_run", message=reason, run_id=request.run_id))
+            return
+        refusal = self._refusal()
+        if refusal is not None:
+            code, reason = refusal
+            await conn.send(RunEvent(run_id=request.run_id, kind="error", code=code, message=reason))
+            return
+        try:
+            route, spec = self.router.resolve(request)
+        except UnknownModel:
+            await conn.send(
+                RunEvent(
+                    run_id=request.run_id,
+                    kind="error",
+                    code="model_not_found",
+                    message=f"model {request.model!r} is not served by node {self.node_id}",
+                )
+            )
+            return
+        scope = trio.CancelScope()
+        if not self._runs:
+            self._idle = trio.Event()
+        self._runs[request.run_id] = scope
+        tracker = RunTracker(conn, request.run_id)
+        await self.store.start_run(request.run_id, self.node_id, request.model, route.adapter.name)
+        outcome: RunOutcome | None = None
+        code, finish_reason = "cancelled", None
+        try:
+            with scope:
+                outcome, code, finish_reason = await self._execute(route, spec, tracker, request.deadline)
+            if outcome is None:
+                outcome = tracker.outcome("cancelled", error="cancelled by client")
+        finally:
+            connection_lost = outcome is None
+            if outcome is None:
+                # Cancelled from outside the run's own scope: the connection ended or the node is
+                # shutting down. There is nobody to tell, but the row must still say so.
+                outcome = tracker.outcome("cancelled", error="connection to edge lost")
+            del self._runs[request.run_id]
+            if not self._runs:
+                self._idle.set()
+            with trio.CancelScope(shield=True):
+                await self.store.end_run(request.run_id, outcome)
+                if not connection_lost:
+                    await self._send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
+            log.info(
+                "run ended",
+                extra={
+                    "run_id": request.run_id,
+                    "model": request.model,
+                    "status": outcome.status,
+                    "completion_tokens": outcome.completion_tokens,
+                },
+            )
+
+    def _refusal(self) -> tuple[str, str] | None:
+        if self.draining:
+            return "node_draining", f"node {self.node_id} is draining"
+        if len(self._runs) >= self.max_concurrency:
+            return "node_busy", f"node {self.node_id} is at capacity ({self.max_concurrency})"
+        return None
+
+    async def _execute(
+        self, route: Route, spec: ExecutionSpec, tracker: RunTracker, deadline: float | None
+    ) -> tuple[RunOutcome, str, str | None]:
+        """Run the adapter under the deadline; map every way it can end except cancellation."""
+        with trio.move_on_after(deadline if deadline else math.inf) as deadline_scope:
+            try:
+                await tracker.start()
+                completion: Completion = await route.adapter.execute(spec, tracker)
+            except BackendError as exc:
+                return tracker.outcome("error", error=exc.message), exc.code, None
+            except ConnectionClosed:
+                raise
+            except Exception as exc:
+                # One adapter bug must not take the connection and every other run down with it.
+                log.exception("adapter crashed", extra={"run_id": spec.run_id})
+                return tracker.outcome("error", error=f"adapter failed: {exc!r}"), "internal_error", None
+        if deadline_scope.cancelled_caught:
+            message = f"run exceeded its deadline of {deadline:g}s"
+            return tracker.outcome("error", error=message), "deadline_exceeded", None
+        usage = tracker.usage(completion.usage)
+        return tracker.outcome("complete", usage=usage), "", completion.finish_reason
+
+    async def _send_final(self, conn: FramedConnection, event: RunEvent) -> None:
+        with trio.move_on_after(FINAL_EVENT_BUDGET):
+            try:
+                await conn.send(event)
+            except ConnectionClosed:
+                pass  # the edge is gone; the history row is what remains
+
+
+class NodeConnectionHandler:
+    """Dispatches the messages of one edge connection into the node core."""
+
+    def __init__(self, core: NodeCore, conn: FramedConnection) -> None:
+        self.core = core
+        self.conn = conn
+
+    async def on_message(self, message: Message, nursery: trio.Nursery) -> None:
+        if isinstance(message, RunRequest):
+            nursery.start_soon(self.core.run, message, self.conn, name=f"run {message.run_id}")
+        elif isinstance(message, CancelRequest):
+            # A cancel for a run that already ended is normal (the race is inherent): ignore it.
+            self.core.cancel(message.run_id)
+        elif isinstance(message, Heartbeat):
+            pass
+        elif isinstance(message, Error):
+            log.warning("edge reported an error", extra={"code": message.code, "reason": message.message})
+        else:
+            await self.conn.send(
+                Error(code="unexpected_message", message=f"a node does not accept {type(message).__name__}")
+            )

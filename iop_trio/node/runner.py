@@ -1,0 +1,154 @@
+"""The node role: dial the edge, register, serve runs; reconnect with backoff; drain on shutdown.
+
+Nursery tree::
+
+    run_node
+    ├── shutdown watcher (drain: refuse new runs, wait for in-flight ones, then cancel)
+    └── connect loop
+        └── one connection at a time: writer, heartbeats, read loop, one task per run
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from .. import __version__
+from ..config import ConfigError, NodeSettings, parse_host_port
+from ..store import RunStore
+from ..transport import (
+    Backoff,
+    ConnectionClosed,
+    FramedConnection,
+    HandshakeFailed,
+    HeartbeatTimeout,
+    client_context,
+    dial,
+    serve_peer,
+)
+from ..wire import Error, RegisterRequest, RegisterResponse, RemoteProtocolError
+from .core import NodeCore
+from .router import Router
+
+log = logging.getLogger("iop_trio.node")
+
+
+class RegistrationRefused(Exception):
+    """The edge refused this node (bad or revoked token, node id not allowed): retrying is futile."""
+
+
+class NodeRunner:
+    def __init__(self, settings: NodeSettings, router: Router, store: RunStore) -> None:
+        self.settings = settings
+        self.router = router
+        self.store = store
+        self.core = NodeCore(settings.node_id, router, store, settings.capacity)
+        self.host, self.port = parse_host_port(settings.edge, "edge")
+        self.token = settings.resolve_token()
+        self.ssl_context = client_context(settings.tls) if settings.tls.enabled else None
+        self.backoff = Backoff(settings.reconnect.initial, settings.reconnect.maximum)
+        self.connected = False
+
+    async def run(
+        self,
+        shutdown: Callable[[], Awaitable[None]],
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until ``shutdown`` returns, then drain. Reports ``edge`` address once registered."""
+        async with trio.open_nursery() as nursery:
+            connect_scope = trio.CancelScope()
+
+            async def connect() -> None:
+                with connect_scope:
+                    await self._connect_loop(task_status)
+
+            nursery.start_soon(connect)
+            await shutdown()
+            await self.drain(connect_scope)
+
+    async def drain(self, connect_scope: trio.CancelScope) -> None:
+        """Refuse new runs, let in-flight ones finish within the grace period, cancel the rest."""
+        self.core.draining = True
+        log.info(
+            "draining", extra={"active_runs": self.core.active_runs, "grace": self.settings.shutdown_grace}
+        )
+        with trio.move_on_after(self.settings.shutdown_grace):
+            await self.core.wait_idle()
+        self.core.cancel_all()
+        await self.core.wait_idle()
+        connect_scope.cancel()
+
+    async def _connect_loop(self, task_status: trio.TaskStatus[str]) -> None:
+        reported = False
+        while True:
+            try:
+                await self._serve_once(lambda: None if reported else task_status.started(self.settings.edge))
+            except* RegistrationRefused:
+                raise
+            except* (ConnectionClosed, HandshakeFailed, HeartbeatTimeout, RemoteProtocolError, trio.TooSlowError) as group:
+                reasons = "; ".join(str(exc) for exc in group.exceptions)
+                log.warning("connection to edge ended", extra={"edge": self.settings.edge, "reason": reasons})
+            reported = reported or self.connected
+            self.connected = False
+            if self.core.draining:
+                return  # shutting down: the edge went first, nothing left to reconnect for
+            delay = self.backoff.next_delay()
+            log.info("reconnecting", extra={"edge": self.settings.edge, "delay_s": round(delay, 3)})
+            await trio.sleep(delay)
+
+    async def _serve_once(self, on_registered: Callable[[], None]) -> None:
+        stream = await dial(
+            self.host,
+            self.port,
+            ssl_context=self.ssl_context,
+            server_hostname=self.settings.server_name or None,
+            handshake_timeout=self.settings.handshake_timeout,
+        )
+        conn = FramedConnection(stream, max_frame_size=self.settings.max_frame_size, peer=self.settings.edge)
+        try:
+            response = await self._register(conn)
+            if response.config is not None:
+                self.core.apply(response.config)
+            heartbeat = response.config.heartbeat_interval if response.config else 30.0
+            self.connected = True
+            self.backoff.reset()
+            log.info(
+                "registered",
+                extra={"edge": self.settings.edge, "node_id": self.settings.node_id, "models": ",".join(self.router.models)},
+            )
+            on_registered()
+            await serve_peer(conn, self.core.handler(conn), heartbeat_interval=heartbeat)
+        finally:
+            await conn.flush_and_close()
+
+    async def _register(self, conn: FramedConnection) -> RegisterResponse:
+        request = RegisterRequest(
+            token=self.token,
+            node_id=self.settings.node_id,
+            version=__version__,
+            adapters=self.router.adapter_names,
+            models=self.router.models,
+            capacity=self.settings.capacity,
+            labels=dict(self.settings.labels),
+        )
+        with trio.fail_after(self.settings.register_timeout):
+            await conn.send_now(request)
+            response = await conn.receive()
+        if isinstance(response, Error):
+            raise RegistrationRefused(f"edge refused registration: {response.code}: {response.message}")
+        if not isinstance(response, RegisterResponse):
+            raise RemoteProtocolError(f"expected register.response, got {type(response).__name__}")
+        if not response.accepted:
+            raise RegistrationRefused(f"edge refused registration: {response.reason}")
+        return response
+
+
+def build_node(settings: NodeSettings, source: str) -> NodeRunner:
+    """Everything a node needs, validated before any socket is opened."""
+    if not settings.models:
+        raise ConfigError(f"{source}: models: a node must serve at least one model")
+    router = Router.from_settings(settings, source)
+    store = RunStore(settings.database)
+    return NodeRunner(settings, router, store)

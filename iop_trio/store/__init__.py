@@ -1,0 +1,6 @@
+"""SQLite persistence: run history (node and edge) and registration tokens."""
+
+from .runs import FINAL_STATUSES, RunOutcome, RunStore
+from .sqlite import Database
+
+__all__ = ["FINAL_STATUSES", "Database", "RunOutcome", "RunStore"]

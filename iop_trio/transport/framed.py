@@ -1,0 +1,113 @@
+"""A framed IOP connection over any trio stream.
+
+One writer task owns ``send_all``: senders put encoded frames into a bounded channel, so a run
+that is cancelled mid-send never leaves a half-written frame on a TLS stream, and a slow peer
+pushes back on the senders instead of growing a queue. The writer coalesces frames that are
+already waiting into one ``send_all`` to cut syscalls and TLS records under load.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from ..wire import CLOSED, NEED_DATA, Codec, Message, ProtocolConnection
+from ..wire.framing import DEFAULT_MAX_FRAME_SIZE
+from .errors import ConnectionClosed
+
+RECEIVE_CHUNK = 64 * 1024
+COALESCE_LIMIT = 256 * 1024
+
+
+class FramedConnection:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        codec: Codec | None = None,
+        send_buffer: int = 256,
+        peer: str = "",
+    ) -> None:
+        self.stream = stream
+        self.peer = peer
+        self.protocol = ProtocolConnection(codec, max_frame_size)
+        self._outbox_send, self._outbox_receive = trio.open_memory_channel[bytes](send_buffer)
+        self._writer_started = False
+        self._writer_done = trio.Event()
+        #: trio clock time of the last complete frame received; the heartbeat watchdog reads it.
+        self.last_received = trio.current_time()
+
+    async def send(self, message: Message) -> None:
+        """Queue ``message`` for the writer; waits while the outbox is full."""
+        data = self.protocol.send(message)
+        try:
+            await self._outbox_send.send(data)
+        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            raise ConnectionClosed(f"connection to {self.peer} is closed") from exc
+
+    async def send_now(self, message: Message) -> None:
+        """Write ``message`` directly. Only for the registration exchange, before the writer runs."""
+        if self._writer_started:
+            await self.send(message)
+            return
+        try:
+            await self.stream.send_all(self.protocol.send(message))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+
+    async def receive(self) -> Message:
+        """The next message from the peer. Raises ConnectionClosed at EOF or when the stream breaks,
+        RemoteProtocolError when the peer breaks the protocol."""
+        while True:
+            message = self.protocol.next_message()
+            if message is NEED_DATA:
+                try:
+                    data = await self.stream.receive_some(RECEIVE_CHUNK)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+                self.protocol.receive_data(data)
+                continue
+            if message is CLOSED:
+                raise ConnectionClosed(f"{self.peer} closed the connection")
+            self.last_received = trio.current_time()
+            return message  # type: ignore[return-value]
+
+    async def run_writer(self) -> None:
+        """Drain the outbox onto the stream until :meth:`finish_sending` is called."""
+        self._writer_started = True
+        try:
+            async with self._outbox_receive:
+                async for data in self._outbox_receive:
+                    batch = [data]
+                    size = len(data)
+                    while size < COALESCE_LIMIT:
+                        try:
+                            more = self._outbox_receive.receive_nowait()
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                        batch.append(more)
+                        size += len(more)
+                    try:
+                        await self.stream.send_all(b"".join(batch) if len(batch) > 1 else data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+        finally:
+            self._writer_done.set()
+
+    def finish_sending(self) -> None:
+        """No more frames will be queued; the writer exits after flushing what is queued."""
+        self._outbox_send.close()
+
+    async def flush_and_close(self, grace: float = 1.0) -> None:
+        """Flush queued frames (bounded by ``grace``), then close the stream. Safe to call twice."""
+        self.finish_sending()
+        with trio.CancelScope(shield=True):
+            if self._writer_started:
+                with trio.move_on_after(grace):
+                    await self._writer_done.wait()
+            await trio.aclose_forcefully(self.stream)
+
+
+def _why(exc: BaseException) -> str:
+    """trio's Broken/Closed errors often carry their reason only in ``__cause__``."""
+    return str(exc) or str(exc.__cause__ or "") or type(exc).__name__

@@ -1,0 +1,90 @@
+"""A strict cattrs converter, shared by the wire codec and the config loader.
+
+cattrs is lenient by default (``int("5")``, a string structured into a tuple of characters,
+extra keys ignored). Here a field of the wrong type or an unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import cattrs
+
+
+def _strict_scalar(expected: type, check: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Any:
+    def hook(value: Any, _type: Any) -> Any:
+        if not check(value):
+            raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
+        return convert(value)
+
+    return hook
+
+
+def _is_homogeneous_tuple(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def make_strict_converter() -> cattrs.Converter:
+    """Return a converter that forbids unknown keys and never coerces between JSON types."""
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    converter.register_structure_hook(
+        bool, _strict_scalar(bool, lambda v: isinstance(v, bool), bool)
+    )
+    converter.register_structure_hook(
+        int,
+        _strict_scalar(int, lambda v: isinstance(v, int) and not isinstance(v, bool), int),
+    )
+    converter.register_structure_hook(
+        float,
+        _strict_scalar(
+            float,
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+            float,
+        ),
+    )
+    converter.register_structure_hook(
+        str, _strict_scalar(str, lambda v: isinstance(v, str), str)
+    )
+
+    def tuple_hook_factory(tp: Any) -> Callable[[Any, Any], Any]:
+        (item_type, _) = typing.get_args(tp)
+        structure_item = converter.get_structure_hook(item_type)
+
+        def hook(value: Any, _type: Any) -> Any:
+            if not isinstance(value, list | tuple):
+                raise TypeError(f"expected a list, got {type(value).__name__}")
+            return tuple(structure_item(item, item_type) for item in value)
+
+        return hook
+
+    converter.register_structure_hook_factory(_is_homogeneous_tuple, tuple_hook_factory)
+
+    def dict_hook_factory(tp: Any) -> Callable[[Any, Any], Any]:
+        key_type, value_type = typing.get_args(tp) or (Any, Any)
+        structure_key = converter.get_structure_hook(key_type)
+        structure_value = converter.get_structure_hook(value_type)
+
+        def hook(value: Any, _type: Any) -> Any:
+            if not isinstance(value, dict):
+                raise TypeError(f"expected a mapping, got {type(value).__name__}")
+            return {
+                structure_key(k, key_type): structure_value(v, value_type)
+                for k, v in value.items()
+            }
+
+        return hook
+
+    converter.register_structure_hook_factory(
+        lambda tp: typing.get_origin(tp) is dict and bool(typing.get_args(tp)), dict_hook_factory
+    )
+    return converter
+
+
+def describe_error(exc: Exception, path: str = "$") -> str:
+    """Turn a cattrs validation error into one readable line naming the offending keys."""
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, path=path))
+    return f"{exc} @ {path}"
