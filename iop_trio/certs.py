@@ -56,7 +56,7 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
 class DevCA:
     def __init__(self, common_name: str = "IOP-Trio development CA") -> None:
         self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (
             x509.CertificateBuilder()
             .subject_name(_name(common_name))
@@ -81,7 +81,7 @@ class DevCA:
         self, common_name: str, *, server: bool, hosts: Iterable[str] = ()
     ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
             x509.CertificateBuilder()

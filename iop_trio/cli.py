@@ -174,20 +174,31 @@ def _setup_logging(level: str) -> None:
 COMMANDS = {"up": _up, "edge": _edge, "node": _node, "tokens": _tokens, "runs": _runs, "certs": _certs}
 
 
+def _report(group: BaseExceptionGroup[Exception]) -> None:
+    """Print each operator-facing error once, however deeply the nurseries nested it."""
+    seen = set()
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(reversed(exc.exceptions))
+        elif str(exc) not in seen:
+            seen.add(str(exc))
+            print(f"iop-trio: error: {exc}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     code = 0
     try:
         COMMANDS[args.command](args)
     except* (ConfigError, TlsConfigError) as group:
-        for exc in group.exceptions:
-            print(f"iop-trio: error: {exc}", file=sys.stderr)
+        _report(group)
         code = 2
     except* KeyboardInterrupt:
         code = 130
     except* RegistrationRefused as group:
-        for exc in group.exceptions:
-            print(f"iop-trio: error: {exc}", file=sys.stderr)
+        _report(group)
         code = 1
     return code
 

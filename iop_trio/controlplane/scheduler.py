@@ -6,8 +6,8 @@ fewest outstanding runs relative to its capacity wins (ties go to the longest-re
 
 from __future__ import annotations
 
-from .session import NodeSession
 from .registry import NodeRegistry
+from .session import NodeSession
 
 
 class NoNodeAvailable(Exception):

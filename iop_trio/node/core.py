@@ -11,6 +11,7 @@ import logging
 import math
 
 import trio
+from attrs import frozen
 
 from ..adapters import BackendError, Completion, ExecutionSpec
 from ..store import RunOutcome, RunStore
@@ -22,6 +23,19 @@ from .run import RunTracker, final_event
 log = logging.getLogger("iop_trio.node")
 
 FINAL_EVENT_BUDGET = 1.0
+
+
+@frozen
+class Admitted:
+    route: Route
+    spec: ExecutionSpec
+    scope: trio.CancelScope
+
+
+@frozen
+class Refused:
+    code: str
+    message: str
 
 
 class NodeCore:
@@ -60,38 +74,42 @@ class NodeCore:
     def handler(self, conn: FramedConnection) -> NodeConnectionHandler:
         return NodeConnectionHandler(self, conn)
 
-    async def run(self, request: RunRequest, conn: FramedConnection) -> None:
-        """Execute one run to exactly one recorded end."""
+    def admit(self, request: RunRequest) -> Admitted | Refused:
+        """Decide synchronously, as the request is read: a ``cancel.request`` right behind it must
+        find the run's scope already registered, and capacity must count it at once."""
         if request.run_id in self._runs:
-            reason = f"run {request.run_id} is already running"
-            await conn.send(Error(code="duplicate_run", message=reason, run_id=request.run_id))
-            return
-        refusal = self._refusal()
-        if refusal is not None:
-            code, reason = refusal
-            await conn.send(RunEvent(run_id=request.run_id, kind="error", code=code, message=reason))
-            return
+            return Refused("duplicate_run", f"run {request.run_id} is already running")
+        if self.draining:
+            return Refused("node_draining", f"node {self.node_id} is draining")
+        if len(self._runs) >= self.max_concurrency:
+            return Refused("node_busy", f"node {self.node_id} is at capacity ({self.max_concurrency})")
         try:
             route, spec = self.router.resolve(request)
         except UnknownModel:
-            await conn.send(
-                RunEvent(
-                    run_id=request.run_id,
-                    kind="error",
-                    code="model_not_found",
-                    message=f"model {request.model!r} is not served by node {self.node_id}",
-                )
-            )
-            return
+            return Refused("model_not_found", f"model {request.model!r} is not served by node {self.node_id}")
         scope = trio.CancelScope()
         if not self._runs:
             self._idle = trio.Event()
         self._runs[request.run_id] = scope
+        return Admitted(route, spec, scope)
+
+    async def refuse(self, request: RunRequest, refusal: Refused, conn: FramedConnection) -> None:
+        if refusal.code == "duplicate_run":
+            # Not a run event: that would end the legitimate run with this id on the edge.
+            await conn.send(Error(code=refusal.code, message=refusal.message, run_id=request.run_id))
+        else:
+            await conn.send(
+                RunEvent(run_id=request.run_id, kind="error", code=refusal.code, message=refusal.message)
+            )
+
+    async def run(self, request: RunRequest, admitted: Admitted, conn: FramedConnection) -> None:
+        """Execute one admitted run to exactly one recorded end."""
+        route, spec, scope = admitted.route, admitted.spec, admitted.scope
         tracker = RunTracker(conn, request.run_id)
-        await self.store.start_run(request.run_id, self.node_id, request.model, route.adapter.name)
         outcome: RunOutcome | None = None
         code, finish_reason = "cancelled", None
         try:
+            await self.store.start_run(request.run_id, self.node_id, request.model, route.adapter.name)
             with scope:
                 outcome, code, finish_reason = await self._execute(route, spec, tracker, request.deadline)
             if outcome is None:
@@ -118,13 +136,6 @@ class NodeCore:
                     "completion_tokens": outcome.completion_tokens,
                 },
             )
-
-    def _refusal(self) -> tuple[str, str] | None:
-        if self.draining:
-            return "node_draining", f"node {self.node_id} is draining"
-        if len(self._runs) >= self.max_concurrency:
-            return "node_busy", f"node {self.node_id} is at capacity ({self.max_concurrency})"
-        return None
 
     async def _execute(
         self, route: Route, spec: ExecutionSpec, tracker: RunTracker, deadline: float | None
@@ -165,7 +176,11 @@ class NodeConnectionHandler:
 
     async def on_message(self, message: Message, nursery: trio.Nursery) -> None:
         if isinstance(message, RunRequest):
-            nursery.start_soon(self.core.run, message, self.conn, name=f"run {message.run_id}")
+            decision = self.core.admit(message)
+            if isinstance(decision, Refused):
+                await self.core.refuse(message, decision, self.conn)
+            else:
+                nursery.start_soon(self.core.run, message, decision, self.conn, name=f"run {message.run_id}")
         elif isinstance(message, CancelRequest):
             # A cancel for a run that already ended is normal (the race is inherent): ignore it.
             self.core.cancel(message.run_id)

@@ -50,6 +50,7 @@ class NodeRunner:
         self.ssl_context = client_context(settings.tls) if settings.tls.enabled else None
         self.backoff = Backoff(settings.reconnect.initial, settings.reconnect.maximum)
         self.connected = False
+        self._reported_ready = False
 
     async def run(
         self,
@@ -81,16 +82,14 @@ class NodeRunner:
         connect_scope.cancel()
 
     async def _connect_loop(self, task_status: trio.TaskStatus[str]) -> None:
-        reported = False
         while True:
             try:
-                await self._serve_once(lambda: None if reported else task_status.started(self.settings.edge))
+                await self._serve_once(task_status)
             except* RegistrationRefused:
                 raise
             except* (ConnectionClosed, HandshakeFailed, HeartbeatTimeout, RemoteProtocolError, trio.TooSlowError) as group:
                 reasons = "; ".join(str(exc) for exc in group.exceptions)
                 log.warning("connection to edge ended", extra={"edge": self.settings.edge, "reason": reasons})
-            reported = reported or self.connected
             self.connected = False
             if self.core.draining:
                 return  # shutting down: the edge went first, nothing left to reconnect for
@@ -98,7 +97,7 @@ class NodeRunner:
             log.info("reconnecting", extra={"edge": self.settings.edge, "delay_s": round(delay, 3)})
             await trio.sleep(delay)
 
-    async def _serve_once(self, on_registered: Callable[[], None]) -> None:
+    async def _serve_once(self, task_status: trio.TaskStatus[str]) -> None:
         stream = await dial(
             self.host,
             self.port,
@@ -118,7 +117,9 @@ class NodeRunner:
                 "registered",
                 extra={"edge": self.settings.edge, "node_id": self.settings.node_id, "models": ",".join(self.router.models)},
             )
-            on_registered()
+            if not self._reported_ready:
+                self._reported_ready = True
+                task_status.started(self.settings.edge)
             await serve_peer(conn, self.core.handler(conn), heartbeat_interval=heartbeat)
         finally:
             await conn.flush_and_close()

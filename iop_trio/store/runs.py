@@ -41,8 +41,8 @@ class RunOutcome:
 
 
 class RunStore:
-    def __init__(self, path: str | Path) -> None:
-        self.db = Database(path, SCHEMA)
+    def __init__(self, path: str | Path, *, in_thread: bool = True) -> None:
+        self.db = Database(path, SCHEMA, in_thread=in_thread)
         # Runs a previous process left open cannot finish any more: end them, exactly once.
         self.db.call_sync(
             lambda conn: conn.execute(

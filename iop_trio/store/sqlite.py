@@ -17,7 +17,11 @@ T = TypeVar("T")
 
 
 class Database:
-    def __init__(self, path: str | Path, schema: str) -> None:
+    """``in_thread=False`` runs statements on the event loop: only for MockClock tests, where a
+    worker thread would let the virtual clock jump while the statement runs."""
+
+    def __init__(self, path: str | Path, schema: str, *, in_thread: bool = True) -> None:
+        self.in_thread = in_thread
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -35,6 +39,9 @@ class Database:
 
     async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` in a worker thread, inside one transaction."""
+        if not self.in_thread:
+            await trio.lowlevel.checkpoint()
+            return self.call_sync(fn)
         return await trio.to_thread.run_sync(self.call_sync, fn, limiter=self._limiter)
 
     async def execute(self, sql: str, params: Any = ()) -> None:

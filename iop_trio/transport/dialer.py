@@ -39,7 +39,8 @@ async def dial(
     server_hostname: str | None = None,
     handshake_timeout: float = 10.0,
 ) -> trio.abc.Stream:
-    """Open a TCP connection and, when TLS is on, complete a verified handshake."""
+    """Open a TCP connection and, when TLS is on, complete a verified handshake
+    (``trio.TooSlowError`` past ``handshake_timeout``, a config value of the node)."""
     try:
         tcp_stream = await trio.open_tcp_stream(host, port)
     except OSError as exc:
@@ -50,7 +51,8 @@ async def dial(
         tcp_stream, ssl_context, server_hostname=server_hostname or host
     )
     try:
-        await handshake(ssl_stream, handshake_timeout)
+        with trio.fail_after(handshake_timeout):
+            await handshake(ssl_stream)
     except BaseException:
         await trio.aclose_forcefully(ssl_stream)
         raise

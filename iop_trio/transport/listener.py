@@ -26,13 +26,11 @@ def format_address(sockaddr: tuple[object, ...]) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def handshake(stream: trio.SSLStream[trio.SocketStream], timeout: float) -> None:
-    """Complete the TLS handshake within ``timeout``; translate failures into HandshakeFailed."""
+async def handshake(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    """Complete the TLS handshake; a refused certificate or a dropped peer is HandshakeFailed.
+    Callers bound it with their own deadline."""
     try:
-        with trio.fail_after(timeout):
-            await stream.do_handshake()
-    except trio.TooSlowError as exc:
-        raise HandshakeFailed(f"TLS handshake not completed within {timeout:g}s") from exc
+        await stream.do_handshake()
     except trio.BrokenResourceError as exc:
         raise HandshakeFailed(f"TLS handshake failed: {exc.__cause__ or exc}") from exc
 
@@ -52,9 +50,11 @@ async def _accept_one(
     if ssl_context is not None:
         ssl_stream = trio.SSLStream(tcp_stream, ssl_context, server_side=True)
         try:
-            await handshake(ssl_stream, handshake_timeout)
-        except HandshakeFailed as exc:
-            log.warning("connection refused", extra={"peer": peer, "reason": str(exc)})
+            with trio.fail_after(handshake_timeout):
+                await handshake(ssl_stream)
+        except (HandshakeFailed, trio.TooSlowError) as exc:
+            reason = str(exc) or f"no TLS handshake within {handshake_timeout:g}s"
+            log.warning("connection refused", extra={"peer": peer, "reason": reason})
             await trio.aclose_forcefully(ssl_stream)
             return
         stream = ssl_stream

@@ -8,8 +8,12 @@ from typing import Any, Protocol
 import cattrs
 
 from .converter import describe_error, make_strict_converter
-from .errors import RemoteProtocolError, UnknownMessageTypeError
+from .errors import LocalProtocolError, RemoteProtocolError, UnknownMessageTypeError
 from .messages import MESSAGE_TYPES, TYPE_NAMES, Message
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 class Codec(Protocol):
@@ -29,18 +33,27 @@ class JsonCodec:
 
     def __init__(self) -> None:
         self._converter = make_strict_converter()
-        self._encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+        self._encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        # For text that cannot be UTF-8 (a lone surrogate a peer sent us as "\ud800"): \u-escape it.
+        self._ascii_encoder = json.JSONEncoder(ensure_ascii=True, allow_nan=False, separators=(",", ":"))
 
     def encode(self, message: Message) -> bytes:
         envelope = {
             "type": TYPE_NAMES[type(message)],
             "payload": self._converter.unstructure(message),
         }
-        return self._encoder.encode(envelope).encode("utf-8")
+        try:
+            text = self._encoder.encode(envelope)
+        except ValueError as exc:
+            raise LocalProtocolError(f"cannot encode {envelope['type']}: {exc}") from exc
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return self._ascii_encoder.encode(envelope).encode("ascii")
 
     def decode(self, payload: bytes) -> Message:
         try:
-            envelope: Any = json.loads(payload)
+            envelope: Any = json.loads(payload, parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise RemoteProtocolError(f"frame payload is not valid JSON: {exc}") from exc
         if not isinstance(envelope, dict) or set(envelope) != {"type", "payload"}:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from .codec import Codec, JsonCodec
 from .errors import LocalProtocolError, RemoteProtocolError
-from .framing import CLOSED, DEFAULT_MAX_FRAME_SIZE, NEED_DATA, FrameDecoder, _Closed, _NeedData, encode_frame
+from .framing import (
+    CLOSED,
+    DEFAULT_MAX_FRAME_SIZE,
+    NEED_DATA,
+    FrameDecoder,
+    _Closed,
+    _NeedData,
+    encode_frame,
+)
 from .messages import Message
 
 

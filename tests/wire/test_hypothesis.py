@@ -258,7 +258,10 @@ def test_round_trip_split_at_random_points(batch: list[Message], data: st.DataOb
 def test_round_trip_with_exact_frame_limit(batch: list[Message], data: st.DataObject) -> None:
     """A limit equal to the largest frame in the batch still carries the whole batch."""
     limit = max(len(CODEC.encode(m)) for m in batch)
-    sender, receiver = ProtocolConnection(max_frame_size=limit), ProtocolConnection(max_frame_size=limit)
+    sender, receiver = (
+        ProtocolConnection(max_frame_size=limit),
+        ProtocolConnection(max_frame_size=limit),
+    )
     got: list[Message] = []
     for chunk in chunked(b"".join(sender.send(m) for m in batch), data):
         receiver.receive_data(chunk)
@@ -268,9 +271,7 @@ def test_round_trip_with_exact_frame_limit(batch: list[Message], data: st.DataOb
 
 # --------------------------------------------------------------------------- fuzzing: raw bytes
 
-FRAME_LIMITS = st.sampled_from([1, 4, 64, 1024, DEFAULT_MAX_FRAME_SIZE]) | st.integers(
-    1, 2**32 - 1
-)
+FRAME_LIMITS = st.sampled_from([1, 4, 64, 1024, DEFAULT_MAX_FRAME_SIZE]) | st.integers(1, 2**32 - 1)
 
 
 @FUZZ
@@ -315,8 +316,10 @@ def json_values(text: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
     )
     return st.recursive(
         scalars,
-        lambda children: st.lists(children, max_size=4)
-        | st.dictionaries(st.sampled_from(ALL_FIELD_NAMES) | text, children, max_size=4),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.sampled_from(ALL_FIELD_NAMES) | text, children, max_size=4)
+        ),
         max_leaves=12,
     )
 

@@ -1,0 +1,198 @@
+"""Real processes on 127.0.0.1: ``iop-trio certs init``, an edge, nodes, from config files."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+STARTUP_TIMEOUT = 30.0
+
+
+def iop_trio(*args: str) -> list[str]:
+    return [sys.executable, "-m", "iop_trio.cli", *args]
+
+
+class Process:
+    """A role process: waits for its ``ready:`` line, stops with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        self._log = self.log_path.open("w")
+        self.popen = subprocess.Popen(
+            args, cwd=workdir, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.ready: dict[str, str] = {}
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        assert self.popen.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.popen.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not selector.select(timeout=0.1):
+                    continue
+                line = self.popen.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("ready: "):
+                    self.ready = dict(pair.split("=", 1) for pair in line[len("ready: "):].split())
+                    return self.ready
+        raise AssertionError(f"{self.name} did not become ready:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signum)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            raise AssertionError(f"{self.name} did not stop on SIGTERM:\n{self.logs()}") from None
+        finally:
+            if self.popen.stdout:
+                self.popen.stdout.close()
+            self._log.close()
+
+
+class Cluster:
+    """An edge and its nodes, all real processes, in a private working directory."""
+
+    def __init__(self, workdir: Path, api_keys: tuple[str, ...] = ()) -> None:
+        self.workdir = workdir
+        self.processes: list[Process] = []
+        subprocess.run(
+            iop_trio("certs", "init", "certs", "--node", "node-a", "--node", "node-b", "--node", "node-c"),
+            cwd=workdir, check=True, capture_output=True,
+        )
+        self.edge_config = self.write_config("edge.yaml", {
+            "http": {"listen": "127.0.0.1:0", "graceful_timeout": 5},
+            "iop": {"listen": "127.0.0.1:0", "register_timeout": 5, "handshake_timeout": 5},
+            "tls": {"enabled": True, "cert": "certs/edge.crt", "key": "certs/edge.key", "ca": "certs/ca.crt"},
+            "data_dir": "data/edge",
+            "api_keys": list(api_keys),
+            "cancel_timeout": 2,
+        })
+        self.edge: Process | None = None
+
+    def write_config(self, name: str, data: dict[str, Any]) -> Path:
+        path = self.workdir / name
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    def start_edge(self) -> Process:
+        self.edge = self.start("edge", iop_trio("edge", "--config", str(self.edge_config)))
+        return self.edge
+
+    def create_token(self, node_id: str | None = None) -> str:
+        args = ["tokens", "create", "--config", str(self.edge_config)]
+        if node_id:
+            args += ["--node", node_id]
+        result = subprocess.run(iop_trio(*args), cwd=self.workdir, check=True, capture_output=True, text=True)
+        return result.stdout.strip()
+
+    def node_config(self, node_id: str, models: list[dict[str, Any]], token: str | None = None, **extra: Any) -> Path:
+        assert self.edge is not None
+        data = {
+            "node_id": node_id,
+            "edge": self.edge.ready["iop"],
+            "server_name": "localhost",
+            "token": token if token is not None else self.create_token(node_id),
+            "tls": {"enabled": True, "cert": f"certs/{node_id}.crt", "key": f"certs/{node_id}.key", "ca": "certs/ca.crt"},
+            "data_dir": f"data/{node_id}",
+            "models": models,
+            "shutdown_grace": 5,
+            "reconnect": {"initial": 0.1, "maximum": 1.0},
+            **extra,
+        }
+        return self.write_config(f"{node_id}.yaml", data)
+
+    def start_node(self, node_id: str, models: list[dict[str, Any]], **extra: Any) -> Process:
+        config = self.node_config(node_id, models, **extra)
+        return self.start(node_id, iop_trio("node", "--config", str(config)))
+
+    def start(self, name: str, args: list[str]) -> Process:
+        process = Process(name, args, self.workdir)
+        self.processes.append(process)
+        process.wait_ready()
+        return process
+
+    @property
+    def url(self) -> str:
+        assert self.edge is not None
+        return self.edge.ready["http"]
+
+    def wait_for_models(self, *models: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listed = httpx.get(f"{self.url}/v1/models", headers=self.auth_headers()).json()
+            if set(models) <= {m["id"] for m in listed.get("data", [])}:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"models {models} never appeared")
+
+    def auth_headers(self) -> dict[str, str]:
+        keys = yaml.safe_load(self.edge_config.read_text())["api_keys"]
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+    def runs(self, node_id: str) -> list[dict[str, Any]]:
+        db = self.workdir / "data" / node_id / "runs.db"
+        with sqlite3.connect(db) as conn:
+            conn.row_factory = sqlite3.Row
+            return [dict(r) for r in conn.execute("SELECT * FROM runs ORDER BY started_at")]
+
+    def wait_for_run(self, node_id: str, status: str, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ended = [r for r in self.runs(node_id) if r["status"] == status]
+            if ended:
+                return ended[-1]
+            time.sleep(0.05)
+        raise AssertionError(f"no {status} run on {node_id}: {self.runs(node_id)}")
+
+    def stop(self) -> None:
+        failures = []
+        for process in reversed(self.processes):
+            try:
+                process.stop()
+            except AssertionError as exc:
+                failures.append(str(exc))
+        assert not failures, failures
+
+
+MOCK = {"name": "mock", "adapter": "mock", "options": {"tokens": 8}}
+SLOW = {"name": "slow", "adapter": "mock", "options": {"tokens": 400, "token_delay": 0.02}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Edge (API key ``sk-test``) + node-a (mock, slow) + node-b (mock, only-b)."""
+    c = Cluster(tmp_path_factory.mktemp("cluster"), api_keys=("sk-test",))
+    try:
+        c.start_edge()
+        c.start_node("node-a", [MOCK, SLOW])
+        c.start_node("node-b", [MOCK, {"name": "only-b", "adapter": "mock", "options": {"tokens": 3}}])
+        c.wait_for_models("mock", "slow", "only-b")
+        yield c
+    finally:
+        c.stop()
