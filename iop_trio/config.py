@@ -155,6 +155,6 @@ def load_config(path: str | Path, cls: type[T]) -> T:
 
 def parse_host_port(value: str, what: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
     return host.strip("[]") or "127.0.0.1", int(port)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import zlib
 
 import trio
-from attrs import frozen
+from attrs import field, frozen
+from attrs.validators import ge, optional
 
 from ..wire import Usage
 from .base import BackendError, Capabilities, Completion, ExecutionSpec, RunSink, prompt_text
@@ -23,10 +24,10 @@ WORDS = (
 
 @frozen
 class MockOptions:
-    tokens: int = 16
-    ttft: float = 0.0
-    token_delay: float = 0.0
-    fail_after_tokens: int | None = None
+    tokens: int = field(default=16, validator=ge(0))
+    ttft: float = field(default=0.0, validator=ge(0))
+    token_delay: float = field(default=0.0, validator=ge(0))
+    fail_after_tokens: int | None = field(default=None, validator=optional(ge(0)))
     fail_message: str = "injected failure"
 
 

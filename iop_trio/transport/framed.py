@@ -99,12 +99,17 @@ class FramedConnection:
         self._outbox_send.close()
 
     async def flush_and_close(self, grace: float = 1.0) -> None:
-        """Flush queued frames (bounded by ``grace``), then close the stream. Safe to call twice."""
+        """Flush queued frames and close the stream (TLS close_notify included), all bounded by
+        ``grace``; past it the stream is closed forcefully. Safe to call twice."""
         self.finish_sending()
         with trio.CancelScope(shield=True):
-            if self._writer_started:
-                with trio.move_on_after(grace):
+            with trio.move_on_after(grace):
+                if self._writer_started:
                     await self._writer_done.wait()
+                try:
+                    await self.stream.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # already broken: closing is all that was left to do
             await trio.aclose_forcefully(self.stream)
 
 

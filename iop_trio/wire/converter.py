@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cattrs
+from cattrs.errors import IterableValidationError, IterableValidationNote
 
 
 def _strict_scalar(expected: type, check: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Any:
@@ -56,7 +57,19 @@ def make_strict_converter() -> cattrs.Converter:
         def hook(value: Any, _type: Any) -> Any:
             if not isinstance(value, list | tuple):
                 raise TypeError(f"expected a list, got {type(value).__name__}")
-            return tuple(structure_item(item, item_type) for item in value)
+            items, errors = [], []
+            for index, item in enumerate(value):
+                try:
+                    items.append(structure_item(item, item_type))
+                except Exception as exc:  # noqa: BLE001 - collected and re-raised as one group
+                    exc.__notes__ = [
+                        *getattr(exc, "__notes__", []),
+                        IterableValidationNote(f"Structuring {tp} @ index {index}", index, item_type),
+                    ]
+                    errors.append(exc)
+            if errors:
+                raise IterableValidationError(f"While structuring {tp!r}", errors, tp)
+            return tuple(items)
 
         return hook
 
