@@ -22,4 +22,4 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check iop_trio tests
-	$(BIN)/mypy iop_trio/wire
+	$(BIN)/mypy iop_trio

@@ -35,7 +35,7 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_request" if param is None else None)
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes | str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:

@@ -38,7 +38,7 @@ class Router:
                     f"{source}: models[{index}].adapter: unknown adapter {model.adapter!r} "
                     f"(known: {', '.join(sorted(ADAPTERS))})"
                 )
-            options = structure(model.options, entry.options_type, f"{source}: models[{index}].options")
+            options: Any = structure(model.options, entry.options_type, f"{source}: models[{index}].options")
             by_adapter.setdefault(model.adapter, []).append((model, options))
         unknown = set(settings.adapters) - set(ADAPTERS)
         if unknown:
@@ -46,7 +46,7 @@ class Router:
         routes: dict[str, Route] = {}
         for name, models in by_adapter.items():
             entry = ADAPTERS[name]
-            config = structure(settings.adapters.get(name, {}), entry.config_type, f"{source}: adapters.{name}")
+            config: Any = structure(settings.adapters.get(name, {}), entry.config_type, f"{source}: adapters.{name}")
             adapter = entry.factory(config, {model.name: options for model, options in models})
             for model, options in models:
                 if model.name in routes:

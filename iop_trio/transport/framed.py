@@ -72,6 +72,12 @@ class FramedConnection:
             self.last_received = trio.current_time()
             return message  # type: ignore[return-value]
 
+    def start_writer(self, nursery: trio.Nursery) -> None:
+        """Start :meth:`run_writer` in ``nursery``. Marks the writer as started at once, so a
+        :meth:`flush_and_close` right after still waits for the queued frames to go out."""
+        self._writer_started = True
+        nursery.start_soon(self.run_writer, name=f"writer {self.peer}")
+
     async def run_writer(self) -> None:
         """Drain the outbox onto the stream until :meth:`finish_sending` is called."""
         self._writer_started = True

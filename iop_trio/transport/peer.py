@@ -27,7 +27,7 @@ async def serve_peer(
 ) -> None:
     """Run until the connection ends; the reason propagates (in an ExceptionGroup)."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(conn.run_writer)
+        conn.start_writer(nursery)
         nursery.start_soon(keep_alive, conn, heartbeat_interval)
         try:
             while True:

@@ -33,7 +33,7 @@ class ProtocolConnection:
     def errored(self) -> bool:
         return self._error is not None
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Feed bytes read from the peer; ``b""`` means the peer closed its side."""
         self._decoder.receive_data(data)
 

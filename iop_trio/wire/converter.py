@@ -28,6 +28,11 @@ def _is_homogeneous_tuple(tp: Any) -> bool:
     return typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
 
 
+def _is_typed_dict_mapping(tp: Any) -> bool:
+    origin: Any = typing.get_origin(tp)
+    return origin is dict and bool(typing.get_args(tp))
+
+
 def make_strict_converter() -> cattrs.Converter:
     """Return a converter that forbids unknown keys and never coerces between JSON types."""
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
@@ -90,9 +95,7 @@ def make_strict_converter() -> cattrs.Converter:
 
         return hook
 
-    converter.register_structure_hook_factory(
-        lambda tp: typing.get_origin(tp) is dict and bool(typing.get_args(tp)), dict_hook_factory
-    )
+    converter.register_structure_hook_factory(_is_typed_dict_mapping, dict_hook_factory)
     return converter
 
 

@@ -49,7 +49,7 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._eof = False
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         if self._eof:
             raise LocalProtocolError("received data after EOF")
         if data:

@@ -85,7 +85,7 @@ async def start_harness(
             harness.connection_ended.set()
 
     nursery.start_soon(serve_node)
-    nursery.start_soon(edge_conn.run_writer)
+    edge_conn.start_writer(nursery)
     return harness
 
 

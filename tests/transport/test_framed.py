@@ -70,7 +70,7 @@ async def read_all_messages(stream: trio.abc.ReceiveStream) -> tuple[list[Messag
                 data = await stream.receive_some()
             except trio.BrokenResourceError:
                 return messages, False
-            protocol.receive_data(data)
+            protocol.receive_data(bytes(data))
             continue
         messages.append(message)  # type: ignore[arg-type]
 
@@ -84,8 +84,8 @@ async def test_round_trip_through_writer_task() -> None:
     b = FramedConnection(right, peer="b")
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(a.run_writer)
-            nursery.start_soon(b.run_writer)
+            a.start_writer(nursery)
+            b.start_writer(nursery)
             await a.send(Heartbeat(seq=1))
             assert await b.receive() == Heartbeat(seq=1)
             reply = RunEvent(run_id="r", kind="delta", text="é 🦀")
@@ -104,7 +104,7 @@ async def test_queued_messages_coalesce_into_one_write_in_order() -> None:
         await sender.send(Heartbeat(seq=seq))
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run_writer)
+            sender.start_writer(nursery)
             received = [await receiver.receive() for _ in range(200)]
             nursery.cancel_scope.cancel()
     assert received == [Heartbeat(seq=seq) for seq in range(200)]
@@ -121,7 +121,7 @@ async def test_coalescing_is_capped_and_keeps_order() -> None:
         await sender.send(message)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run_writer)
+            sender.start_writer(nursery)
             received = [await receiver.receive() for _ in big]
             nursery.cancel_scope.cancel()
     assert received == big
@@ -146,7 +146,7 @@ async def test_send_now_goes_through_the_queue_once_the_writer_runs() -> None:
     receiver = FramedConnection(right)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run_writer)
+            sender.start_writer(nursery)
             await trio.testing.wait_all_tasks_blocked()
             await sender.send(Heartbeat(seq=1))
             await sender.send_now(Heartbeat(seq=2))
@@ -251,7 +251,7 @@ async def test_send_after_flush_and_close_is_connection_closed() -> None:
     conn = FramedConnection(left)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.run_writer)
+            conn.start_writer(nursery)
             await trio.testing.wait_all_tasks_blocked()  # the writer is running
             await conn.send(Heartbeat(seq=1))
             await conn.flush_and_close()
@@ -276,7 +276,7 @@ async def test_flush_and_close_delivers_everything_queued() -> None:
 
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.run_writer)
+            conn.start_writer(nursery)
             await trio.testing.wait_all_tasks_blocked()  # the writer is running
             for seq in range(100):
                 await conn.send(Heartbeat(seq=seq))
@@ -285,14 +285,6 @@ async def test_flush_and_close_delivers_everything_queued() -> None:
     assert received == [Heartbeat(seq=seq) for seq in range(100)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BaseExceptionGroup,
-    reason="BUG: flush_and_close() only waits for the writer if the writer task has already "
-    "taken its first step (_writer_started is set inside run_writer). Called right after "
-    "nursery.start_soon(conn.run_writer), it closes the stream at once; the writer then "
-    "starts, fails with ConnectionClosed, and every queued frame is lost.",
-)
 async def test_flush_and_close_right_after_starting_the_writer_delivers_queued_frames() -> None:
     left, right = trio.testing.memory_stream_pair()
     conn = FramedConnection(left)
@@ -300,7 +292,7 @@ async def test_flush_and_close_right_after_starting_the_writer_delivers_queued_f
         await conn.send(Heartbeat(seq=seq))
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.run_writer)
+            conn.start_writer(nursery)
             await conn.flush_and_close()
         messages, clean = await read_all_messages(right)
     assert messages == [Heartbeat(seq=seq) for seq in range(3)]

@@ -116,7 +116,7 @@ async def test_keep_alive_times_out_a_silent_peer_even_though_it_sends(
     start = trio.current_time()
     with pytest.RaisesGroup(HeartbeatTimeout, flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.run_writer)
+            conn.start_writer(nursery)
             nursery.start_soon(drain, peer, seen_by_peer)
             await keep_alive(conn, 10)
     assert trio.current_time() - start == pytest.approx(30)
@@ -132,7 +132,7 @@ async def test_send_heartbeats_every_interval(autojump_clock: trio.testing.MockC
     peer = FramedConnection(right)
     received: list[tuple[float, Message]] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(conn.run_writer)
+        conn.start_writer(nursery)
         nursery.start_soon(drain, peer, received)
         nursery.start_soon(send_heartbeats, conn, 10)
         await trio.sleep(105)
@@ -151,7 +151,7 @@ async def test_heartbeat_count_scales_with_interval(
     received: list[tuple[float, Message]] = []
     span = 1000.0
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(conn.run_writer)
+        conn.start_writer(nursery)
         nursery.start_soon(drain, peer, received)
         nursery.start_soon(partial(send_heartbeats, conn, interval))
         await trio.sleep(span + interval / 2)

@@ -113,8 +113,8 @@ async def test_frames_cross_with_writer_task_over_tls(
             nursery.start_soon(server.do_handshake)
             await client.do_handshake()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server_conn.run_writer)
-            nursery.start_soon(client_conn.run_writer)
+            server_conn.start_writer(nursery)
+            client_conn.start_writer(nursery)
             for seq in range(50):
                 await client_conn.send(Heartbeat(seq=seq))
                 await server_conn.send(Heartbeat(seq=1000 + seq))
@@ -144,11 +144,11 @@ def test_contexts_require_certificates_and_modern_tls(
 
 async def _refused_client(
     server: trio.SSLStream[Any], client: trio.SSLStream[Any]
-) -> tuple[Any, Any, list[bytes]]:
+) -> tuple[Any, Any, list[bytes | bytearray]]:
     """Drive a handshake the server must refuse. The server does what the listener does on
     failure (close forcefully); the client, if its handshake completes, sends application data
     and waits for an answer. Returns both outcomes and whatever the server could read."""
-    delivered: list[bytes] = []
+    delivered: list[bytes | bytearray] = []
 
     async def server_side() -> object:
         try:
@@ -244,7 +244,8 @@ def test_missing_file_is_a_config_error_naming_the_key(
     make: Callable[[TlsConfig], ssl.SSLContext],
 ) -> None:
     missing = tmp_path / "nowhere" / f"{field}.pem"
-    tls = attrs.evolve(client_tls, **{field: str(missing)})
+    changes: dict[str, Any] = {field: str(missing)}
+    tls = attrs.evolve(client_tls, **changes)
     with pytest.raises(TlsConfigError, match=rf"tls\.{field}\b") as info:
         make(tls)
     assert str(missing) in str(info.value)
@@ -260,7 +261,8 @@ def test_unreadable_material_is_a_config_error(tmp_path: Path, client_tls: TlsCo
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n")
     for field in ("cert", "key", "ca"):
-        tls = attrs.evolve(client_tls, **{field: str(garbage)})
+        changes: dict[str, Any] = {field: str(garbage)}
+        tls = attrs.evolve(client_tls, **changes)
         with pytest.raises(TlsConfigError, match="cannot load TLS material") as info:
             server_context(tls)
         assert isinstance(info.value.__cause__, ssl.SSLError | OSError)
