@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine with only Python 3.11+:
 #   make up    -- create .venv, install, run `iop-trio up` (edge + one mock node, mTLS on)
-#   make test  -- create .venv, install with test extras, run the whole test suite
+#   make test  -- create .venv, install with test extras, lint (ruff, mypy), run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,6 +18,8 @@ up: venv
 	$(BIN)/iop-trio up
 
 test: venv
+	$(BIN)/ruff check iop_trio tests
+	$(BIN)/mypy iop_trio
 	$(BIN)/python -m pytest
 
 lint: venv

@@ -14,7 +14,7 @@ import trio
 from .certs import init_certs
 from .config import ConfigError, EdgeConfig, NodeSettings, load_config
 from .controlplane import TokenStore
-from .node.runner import RegistrationRefused
+from .node.core import RegistrationRefused
 from .roles import Shutdown, print_ready, run_with_signals
 from .store import FINAL_STATUSES, RunStore
 from .transport import TlsConfigError

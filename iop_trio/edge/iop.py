@@ -109,5 +109,8 @@ class NodeAcceptor:
                 metrics.connected_nodes.set(len(registry))
         if session.scope.cancelled_caught:
             reason = "replaced by a newer registration"
+            # Tell the old process, if it is still alive, so two nodes sharing an id do not take
+            # turns replacing each other forever.
+            await reject_peer(session.conn, "node_replaced", f"node id {session.node_id!r} registered again elsewhere")
         await session.conn.flush_and_close()
         log.info("node disconnected", extra={"node_id": session.node_id, "reason": reason})

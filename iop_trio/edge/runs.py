@@ -57,7 +57,7 @@ class EdgeRun:
         )
         inbox = await session.start_run(request)
         run = cls(state, session, request, inbox)
-        state.metrics.active_runs.inc()
+        state.run_started()
         await state.runs.start_run(request.run_id, session.node_id, parsed.model, "edge")
         return run
 
@@ -103,6 +103,6 @@ class EdgeRun:
             usage = self.final_usage()
             ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
             outcome = RunOutcome(self._status, usage.prompt_tokens, usage.completion_tokens, ttft, self._error)  # type: ignore[arg-type]
-            self.state.metrics.active_runs.dec()
+            self.state.run_finished()
             self.state.metrics.runs.labels(status=self._status).inc()
             await self.state.runs.end_run(self.run_id, outcome)

@@ -27,6 +27,8 @@ from .state import EdgeState
 
 log = logging.getLogger("iop_trio.edge")
 
+FLUSH_AFTER_LAST_RUN = 0.5
+
 
 def hypercorn_config(config: EdgeConfig) -> HypercornConfig:
     hc = HypercornConfig()
@@ -63,22 +65,31 @@ async def run_edge(
                 )
             )
             http_done = trio.Event()
+            http_scope = trio.CancelScope()
 
             async def serve_http(task_status: trio.TaskStatus[list[str]]) -> None:
-                try:
+                with http_scope:
                     await hypercorn_serve(
                         create_app(state), hypercorn_config(config),
                         shutdown_trigger=http_stop.wait, task_status=task_status,
                     )
-                finally:
-                    http_done.set()
+                http_done.set()
 
             binds = await nursery.start(serve_http)
             task_status.started({"http": binds[0], "iop": iop_address})
             await shutdown()
-            log.info("edge draining", extra={"grace_s": config.http.graceful_timeout})
+            log.info(
+                "edge draining",
+                extra={"runs_in_flight": state.runs_in_flight, "grace_s": config.http.graceful_timeout},
+            )
             http_stop.set()
-            await http_done.wait()
+            with trio.move_on_after(config.http.graceful_timeout):
+                await state.wait_no_runs()
+            # Hypercorn would hold idle keep-alive connections open for the whole grace period:
+            # once no run is left, give responses a moment to flush, then close the rest.
+            with trio.move_on_after(FLUSH_AFTER_LAST_RUN):
+                await http_done.wait()
+            http_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:
         if owned:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from attrs import define
+import trio
+from attrs import define, field
 
 from ..config import EdgeConfig
 from ..controlplane import NodeRegistry, Scheduler, TokenStore
@@ -18,6 +19,24 @@ class EdgeState:
     tokens: TokenStore
     runs: RunStore
     metrics: EdgeMetrics
+    #: Runs whose client is still being served; shutdown waits for this to reach zero.
+    runs_in_flight: int = 0
+    _no_runs: trio.Event = field(factory=trio.Event)
+
+    def run_started(self) -> None:
+        self.runs_in_flight += 1
+        self.metrics.active_runs.inc()
+
+    def run_finished(self) -> None:
+        self.runs_in_flight -= 1
+        self.metrics.active_runs.dec()
+        if not self.runs_in_flight:
+            self._no_runs.set()
+            self._no_runs = trio.Event()
+
+    async def wait_no_runs(self) -> None:
+        if self.runs_in_flight:
+            await self._no_runs.wait()
 
     @classmethod
     def from_config(cls, config: EdgeConfig) -> EdgeState:

@@ -25,6 +25,14 @@ log = logging.getLogger("iop_trio.node")
 FINAL_EVENT_BUDGET = 1.0
 
 
+class RegistrationRefused(Exception):
+    """The edge refused this node (bad or revoked token, node id not allowed): retrying is futile."""
+
+
+class NodeReplaced(RegistrationRefused):
+    """Another process registered with this node id; this one must stop, not fight it."""
+
+
 @frozen
 class Admitted:
     route: Route
@@ -187,6 +195,8 @@ class NodeConnectionHandler:
         elif isinstance(message, Heartbeat):
             pass
         elif isinstance(message, Error):
+            if message.code == "node_replaced":
+                raise NodeReplaced(f"another node registered with this node id: {message.message}")
             log.warning("edge reported an error", extra={"code": message.code, "reason": message.message})
         else:
             await self.conn.send(

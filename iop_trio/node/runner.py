@@ -29,14 +29,10 @@ from ..transport import (
     serve_peer,
 )
 from ..wire import Error, RegisterRequest, RegisterResponse, RemoteProtocolError
-from .core import NodeCore
+from .core import NodeCore, RegistrationRefused
 from .router import Router
 
 log = logging.getLogger("iop_trio.node")
-
-
-class RegistrationRefused(Exception):
-    """The edge refused this node (bad or revoked token, node id not allowed): retrying is futile."""
 
 
 class NodeRunner:

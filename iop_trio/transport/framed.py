@@ -46,8 +46,9 @@ class FramedConnection:
             raise ConnectionClosed(f"connection to {self.peer} is closed") from exc
 
     async def send_now(self, message: Message) -> None:
-        """Write ``message`` directly. Only for the registration exchange, before the writer runs."""
-        if self._writer_started:
+        """Write ``message`` directly when no writer task is running: the registration exchange
+        before it starts, a parting ``error`` frame after it stopped. Otherwise it is queued."""
+        if self._writer_started and not self._writer_done.is_set():
             await self.send(message)
             return
         try:
