@@ -49,6 +49,9 @@ class MockAdapter:
     def capabilities(self) -> Capabilities:
         return Capabilities(models=tuple(self._models))
 
+    async def discover_models(self) -> tuple[str, ...]:
+        return ()
+
     async def execute(self, spec: ExecutionSpec, sink: RunSink) -> Completion:
         options: MockOptions = spec.options or MockOptions()
         text = prompt_text(spec)

@@ -14,6 +14,8 @@ from attrs import frozen
 
 from .base import Adapter
 from .mock import MockAdapter, MockAdapterConfig, MockOptions
+from .ollama import OllamaAdapter, OllamaConfig, OllamaOptions
+from .vllm import VllmAdapter, VllmConfig, VllmOptions
 
 
 @frozen
@@ -25,4 +27,6 @@ class AdapterEntry:
 
 ADAPTERS: dict[str, AdapterEntry] = {
     "mock": AdapterEntry(MockAdapterConfig, MockOptions, MockAdapter),
+    "ollama": AdapterEntry(OllamaConfig, OllamaOptions, OllamaAdapter),
+    "vllm": AdapterEntry(VllmConfig, VllmOptions, VllmAdapter),
 }

@@ -94,6 +94,10 @@ class NodeRunner:
             await trio.sleep(delay)
 
     async def _serve_once(self, task_status: trio.TaskStatus[str]) -> None:
+        # Ask opted-in backends for their models before dialing: the edge's registration deadline
+        # must not pay for a slow backend.
+        with trio.move_on_after(self.settings.register_timeout):
+            await self.router.discover()
         stream = await dial(
             self.host,
             self.port,
@@ -144,8 +148,10 @@ class NodeRunner:
 
 def build_node(settings: NodeSettings, source: str) -> NodeRunner:
     """Everything a node needs, validated before any socket is opened."""
-    if not settings.models:
-        raise ConfigError(f"{source}: models: a node must serve at least one model")
+    if not settings.models and not any(block.get("advertise_all") for block in settings.adapters.values()):
+        raise ConfigError(
+            f"{source}: models: a node must serve at least one model (or set advertise_all on an adapter)"
+        )
     router = Router.from_settings(settings, source)
     store = RunStore(settings.database)
     return NodeRunner(settings, router, store)

@@ -1,0 +1,111 @@
+"""The ollama adapter: Ollama's native API (``/api/chat``, ``/api/generate``), streaming NDJSON.
+
+Usage comes from the final object's ``prompt_eval_count``/``eval_count``. Cancelling a run closes
+the HTTP stream, which is how Ollama learns to stop generating.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any
+
+from attrs import field, frozen
+
+from ..wire import Usage
+from .base import BackendError, Capabilities, Completion, ExecutionSpec, RunSink
+from .http import HttpBackendConfig, get_json, make_client, open_stream, parse_json_line, read_lines
+
+
+@frozen
+class OllamaConfig(HttpBackendConfig):
+    base_url: str = "http://127.0.0.1:11434"
+    #: How long Ollama keeps a model loaded after a request (Ollama's own default when empty).
+    keep_alive: str = ""
+
+
+@frozen
+class OllamaOptions:
+    #: Per-model ``keep_alive``, overriding the adapter's.
+    keep_alive: str = ""
+    #: Extra Ollama ``options`` (e.g. ``num_ctx``, ``top_k``, ``repeat_penalty``).
+    options: dict[str, Any] = field(factory=dict)
+
+
+def ollama_options(spec: ExecutionSpec, extra: dict[str, Any]) -> dict[str, Any]:
+    params = spec.params
+    mapped: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "num_predict": params.max_tokens,
+        "seed": params.seed,
+        "stop": list(params.stop) or None,
+    }
+    return {**extra, **{key: value for key, value in mapped.items() if value is not None}}
+
+
+class OllamaAdapter:
+    name = "ollama"
+
+    def __init__(self, config: OllamaConfig, models: dict[str, OllamaOptions]) -> None:
+        self.config = config
+        self._models = models
+        self._client = make_client(config)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(models=tuple(self._models))
+
+    async def discover_models(self) -> tuple[str, ...]:
+        if not self.config.advertise_all:
+            return ()
+        tags = await get_json(self._client, "/api/tags", self.config.read_timeout)
+        try:
+            return tuple(str(model["name"]) for model in tags["models"])
+        except (KeyError, TypeError) as exc:
+            raise BackendError("backend_protocol_error", "GET /api/tags: unexpected shape") from exc
+
+    async def execute(self, spec: ExecutionSpec, sink: RunSink) -> Completion:
+        options: OllamaOptions = spec.options or OllamaOptions()
+        body: dict[str, Any] = {
+            "model": spec.backend_model,
+            "stream": True,
+            "options": ollama_options(spec, options.options),
+        }
+        keep_alive = options.keep_alive or self.config.keep_alive
+        if keep_alive:
+            body["keep_alive"] = keep_alive
+        if spec.kind == "chat":
+            path, text_of = "/api/chat", _chat_text
+            body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+        else:
+            path, text_of = "/api/generate", _generate_text
+            body["prompt"] = spec.prompt
+        timeout = self.config.read_timeout
+        async with open_stream(self._client, path, body, timeout) as response:
+            async with aclosing(read_lines(response, timeout)) as lines:
+                async for line in lines:
+                    data = parse_json_line(line, "NDJSON line")
+                    if "error" in data:
+                        raise BackendError("backend_error", f"ollama: {data['error']}")
+                    text = text_of(data)
+                    if text:
+                        await sink.delta(text, 1)
+                    if data.get("done"):
+                        usage = Usage(int(data.get("prompt_eval_count") or 0), int(data.get("eval_count") or 0))
+                        sink.report_prompt_tokens(usage.prompt_tokens)
+                        reason = "length" if data.get("done_reason") == "length" else "stop"
+                        return Completion(reason, usage)
+        raise BackendError("backend_protocol_error", "ollama stream ended before done=true")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def _chat_text(data: dict[str, Any]) -> str:
+    message = data.get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else ""
+
+
+def _generate_text(data: dict[str, Any]) -> str:
+    content = data.get("response")
+    return content if isinstance(content, str) else ""

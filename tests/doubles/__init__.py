@@ -1,0 +1,1 @@
+"""Test doubles of outside servers, speaking their real wire formats."""
