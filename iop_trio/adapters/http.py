@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -120,17 +120,17 @@ async def _read_error(response: httpx.Response, read_timeout: float) -> str:
 
 async def read_lines(response: httpx.Response, read_timeout: float) -> AsyncGenerator[str, None]:
     """The response's non-empty lines; a backend silent for ``read_timeout`` is an error."""
-    lines = response.aiter_lines()
-    while True:
-        with trio.move_on_after(read_timeout) as silence:
-            try:
-                line = await lines.__anext__()
-            except StopAsyncIteration:
-                return
-        if silence.cancelled_caught:
-            raise BackendError("backend_timeout", f"backend silent for {read_timeout:g}s mid-stream")
-        if line:
-            yield line
+    async with aclosing(response.aiter_lines()) as lines:
+        while True:
+            with trio.move_on_after(read_timeout) as silence:
+                try:
+                    line = await lines.__anext__()
+                except StopAsyncIteration:
+                    return
+            if silence.cancelled_caught:
+                raise BackendError("backend_timeout", f"backend silent for {read_timeout:g}s mid-stream")
+            if line:
+                yield line
 
 
 def parse_json_line(line: str, what: str) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class Recorder:
     disconnects: list[Disconnect] = field(factory=list)
     completed: int = 0
     disconnected: trio.Event = field(factory=trio.Event)
+    #: Phase markers, so a test can act at an exact point of a request's life.
+    received: trio.Event = field(factory=trio.Event)
+    streaming: trio.Event = field(factory=trio.Event)  # headers sent, waiting for the first token
+    first_token: trio.Event = field(factory=trio.Event)
 
     def record_disconnect(self, phase: str, tokens_sent: int) -> None:
         self.disconnects.append(Disconnect(phase, trio.current_time(), tokens_sent))
@@ -65,6 +69,7 @@ class _Generation:
         self.sent = 0
 
     async def queue(self) -> None:
+        self.recorder.received.set()
         try:
             await trio.sleep(self.behaviour.queue_delay)
         except trio.Cancelled:
@@ -73,6 +78,7 @@ class _Generation:
 
     async def words(self) -> AsyncIterator[str]:
         phase = "before_first_token"
+        self.recorder.streaming.set()
         try:
             await trio.sleep(self.behaviour.ttft)
             for index in range(self.count):
@@ -81,6 +87,7 @@ class _Generation:
                 yield WORDS[index % len(WORDS)] if index == 0 else " " + WORDS[index % len(WORDS)]
                 self.sent += 1
                 phase = "mid_stream"
+                self.recorder.first_token.set()
         except trio.Cancelled:
             self.recorder.record_disconnect(phase, self.sent)
             raise

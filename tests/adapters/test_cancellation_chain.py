@@ -1,0 +1,159 @@
+"""A client that goes away stops the backend, in every phase, for the HTTP adapters.
+
+One trio run holds the whole chain over real loopback sockets: an httpx client, the edge
+(hypercorn + quart-trio), IOP over mutual TLS, a node with the vllm or ollama adapter, and a
+backend double that records when, and in which phase, its client disconnected. The phases:
+
+- ``queued``: the backend accepted the request but has not answered yet (its own queue);
+- ``before_first_token``: response headers sent, no token yet;
+- ``mid_stream``: tokens are flowing;
+- ``non_streaming``: the client asked for a whole response (upstream still streams).
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from iop_trio.certs import init_certs
+from iop_trio.config import EdgeConfig, HttpConfig, IopListenConfig, ModelConfig, NodeSettings
+from iop_trio.edge.server import run_edge
+from iop_trio.edge.state import EdgeState
+from iop_trio.node.runner import NodeRunner, build_node
+from iop_trio.transport import TlsConfig
+from tests.doubles.backends import Behaviour, Recorder, ollama_app, openai_app, serve_double
+
+# Generous for a loaded CI machine; bench/ measures the real lag (a few ms).
+MAX_CANCEL_LAG = 1.0
+BACKENDS = {"vllm": (openai_app, "/v1"), "ollama": (ollama_app, "")}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+class Stack:
+    def __init__(self, url: str, runner: NodeRunner, recorder: Recorder) -> None:
+        self.url = url
+        self.runner = runner
+        self.recorder = recorder
+
+    async def wait_for_row(self, status: str) -> dict:
+        with trio.fail_after(5):
+            while True:
+                rows = self.runner.store.list_runs(status)
+                if rows:
+                    return rows[0]
+                await trio.sleep(0.01)
+
+
+def tls(certs: Path, name: str) -> TlsConfig:
+    return TlsConfig(True, str(certs / f"{name}.crt"), str(certs / f"{name}.key"), str(certs / "ca.crt"))
+
+
+async def start_stack(nursery: trio.Nursery, tmp_path: Path, adapter: str, behaviour: Behaviour) -> Stack:
+    app_factory, suffix = BACKENDS[adapter]
+    recorder = Recorder()
+    backend_url = await nursery.start(partial(serve_double, app_factory(behaviour, recorder)))
+    certs = tmp_path / "certs"
+    init_certs(certs, nodes=["node-1"])
+    edge_config = EdgeConfig(
+        http=HttpConfig(listen="127.0.0.1:0", graceful_timeout=1),
+        iop=IopListenConfig(listen="127.0.0.1:0"),
+        tls=tls(certs, "edge"),
+        data_dir=str(tmp_path / "edge"),
+    )
+    state = EdgeState.from_config(edge_config)
+    stop = trio.Event()
+    addresses = await nursery.start(run_edge, edge_config, stop.wait, state)
+    settings = NodeSettings(
+        node_id="node-1",
+        edge=addresses["iop"],
+        server_name="localhost",
+        token=state.tokens.create("node-1").token,
+        tls=tls(certs, "node-1"),
+        data_dir=str(tmp_path / "node-1"),
+        models=(ModelConfig(name="m", adapter=adapter, backend_model="double-model"),),
+        adapters={adapter: {"base_url": backend_url + suffix, "read_timeout": 30.0}},
+    )
+    runner = build_node(settings, "test")
+    await nursery.start(runner.run, stop.wait)
+    return Stack(addresses["http"], runner, recorder)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def adapter(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def assert_backend_stopped(stack: Stack, gone_at: float, phase: str) -> None:
+    with trio.fail_after(5):
+        await stack.recorder.disconnected.wait()
+    (disconnect,) = stack.recorder.disconnects
+    assert disconnect.phase == phase
+    assert disconnect.at - gone_at < MAX_CANCEL_LAG
+    row = await stack.wait_for_row("cancelled")
+    assert row["completion_tokens"] == disconnect.tokens_sent or row["completion_tokens"] <= disconnect.tokens_sent
+    assert stack.recorder.completed == 0
+
+
+async def stream_then_leave(stack: Stack, wait_for: trio.Event, chunks: int = 0) -> float:
+    """Open a streaming request, read ``chunks`` content chunks once ``wait_for`` fired, leave."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"{stack.url}/v1/chat/completions", json={**BODY, "stream": True}) as response:
+            assert response.status_code == 200
+            async with aclosing(response.aiter_lines()) as lines:
+                seen = 0
+                while seen < chunks:
+                    line = await lines.__anext__()
+                    seen += line.startswith("data:") and '"content":"' in line and '"content":""' not in line
+                await wait_for.wait()
+                return trio.current_time()
+
+
+async def test_client_leaving_while_the_backend_queues(adapter, tmp_path, nursery) -> None:
+    stack = await start_stack(nursery, tmp_path, adapter, Behaviour(queue_delay=60))
+    gone_at = await stream_then_leave(stack, stack.recorder.received)
+    await assert_backend_stopped(stack, gone_at, "queued")
+
+
+async def test_client_leaving_before_the_first_token(adapter, tmp_path, nursery) -> None:
+    stack = await start_stack(nursery, tmp_path, adapter, Behaviour(ttft=60))
+    gone_at = await stream_then_leave(stack, stack.recorder.streaming)
+    await assert_backend_stopped(stack, gone_at, "before_first_token")
+
+
+async def test_client_leaving_mid_stream(adapter, tmp_path, nursery) -> None:
+    stack = await start_stack(nursery, tmp_path, adapter, Behaviour(tokens=1000, token_delay=0.05))
+    gone_at = await stream_then_leave(stack, stack.recorder.first_token, chunks=3)
+    await assert_backend_stopped(stack, gone_at, "mid_stream")
+    row = await stack.wait_for_row("cancelled")
+    assert 3 <= row["completion_tokens"] < 1000
+
+
+async def test_non_streaming_client_leaving(adapter, tmp_path, nursery) -> None:
+    stack = await start_stack(nursery, tmp_path, adapter, Behaviour(tokens=1000, token_delay=0.05))
+    async with httpx.AsyncClient(timeout=30) as client:
+        with trio.CancelScope() as request_scope:
+            nursery.start_soon(lambda: _cancel_when(stack.recorder.first_token, request_scope))
+            await client.post(f"{stack.url}/v1/chat/completions", json=BODY)
+        gone_at = trio.current_time()
+    assert request_scope.cancelled_caught
+    await assert_backend_stopped(stack, gone_at, "mid_stream")
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def test_complete_run_through_each_adapter(adapter, tmp_path, nursery) -> None:
+    stack = await start_stack(nursery, tmp_path, adapter, Behaviour(tokens=6))
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = (await client.post(f"{stack.url}/v1/chat/completions", json=BODY)).json()
+    assert reply["choices"][0]["message"]["content"] == "alpha bravo charlie delta echo foxtrot"
+    assert reply["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
+    row = await stack.wait_for_row("complete")
+    assert row["completion_tokens"] == 6
