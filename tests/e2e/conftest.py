@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -31,9 +32,11 @@ class Process:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = self.log_path.open("w")
+        repo = str(Path(__file__).resolve().parents[2])
+        pythonpath = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
         self.popen = subprocess.Popen(
             args, cwd=workdir, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath},
         )
         self.ready: dict[str, str] = {}
 
@@ -94,6 +97,13 @@ class Cluster:
             "cancel_timeout": 2,
         })
         self.edge: Process | None = None
+        self._clients: list[openai.OpenAI] = []
+
+    def client(self, api_key: str = "none", timeout: float = 20) -> openai.OpenAI:
+        """An openai SDK client for this edge, closed when the cluster stops."""
+        sdk = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+        self._clients.append(sdk)
+        return sdk
 
     def write_config(self, name: str, data: dict[str, Any]) -> Path:
         path = self.workdir / name
@@ -171,6 +181,8 @@ class Cluster:
         raise AssertionError(f"no {status} run on {node_id}: {self.runs(node_id)}")
 
     def stop(self) -> None:
+        for sdk in self._clients:
+            sdk.close()
         failures = []
         for process in reversed(self.processes):
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import signal
 import socket
 import ssl
@@ -19,8 +21,9 @@ MESSAGES = [{"role": "user", "content": "hello from the test suite"}]
 
 
 @pytest.fixture
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test", max_retries=0, timeout=20)
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test", max_retries=0, timeout=20) as sdk:
+        yield sdk
 
 
 def test_models_lists_what_the_connected_nodes_serve(client: openai.OpenAI) -> None:
@@ -80,7 +83,7 @@ def test_completions_both_ways(client: openai.OpenAI) -> None:
 
 
 def test_bad_api_key_is_401(cluster: Cluster) -> None:
-    bad = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-wrong", max_retries=0)
+    bad = cluster.client(api_key="sk-wrong")
     with pytest.raises(openai.AuthenticationError) as raised:
         bad.chat.completions.create(model="mock", messages=MESSAGES)
     assert raised.value.code == "invalid_api_key"
@@ -170,7 +173,7 @@ def test_node_lost_mid_stream_ends_the_request_with_an_error(tmp_path) -> None:
         cluster.start_edge()
         node = cluster.start_node("node-a", [SLOW])
         cluster.wait_for_models("slow")
-        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=20)
+        client = cluster.client()
         stream = client.chat.completions.create(model="slow", messages=MESSAGES, stream=True)
         started = time.monotonic()
         with pytest.raises(openai.APIError) as raised:
@@ -193,7 +196,7 @@ def test_sigterm_drains_in_flight_runs_and_exits_zero(tmp_path) -> None:
         slow = {"name": "slow", "adapter": "mock", "options": {"tokens": 40, "token_delay": 0.05}}
         cluster.start_node("node-a", [slow])
         cluster.wait_for_models("slow")
-        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=20)
+        client = cluster.client()
         stream = client.chat.completions.create(model="slow", messages=MESSAGES, stream=True)
         next(iter(stream))
         cluster.edge.signal(signal.SIGTERM)
@@ -207,7 +210,7 @@ def test_sigterm_drains_in_flight_runs_and_exits_zero(tmp_path) -> None:
 
 
 def test_a_non_streaming_client_that_gives_up_cancels_the_run(cluster: Cluster) -> None:
-    impatient = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="sk-test", max_retries=0, timeout=0.5)
+    impatient = cluster.client(api_key="sk-test", timeout=0.5)
     before = len([r for r in cluster.runs("node-a") if r["status"] == "cancelled"])
     with pytest.raises(openai.APITimeoutError):
         impatient.chat.completions.create(model="slow", messages=MESSAGES)

@@ -17,9 +17,9 @@ def test_up_serves_the_openai_sdk_and_drains_on_sigint(tmp_path) -> None:
     try:
         ready = up.wait_ready()
         assert set(ready) == {"http", "iop"}
-        client = openai.OpenAI(base_url=f"{ready['http']}/v1", api_key="unused", max_retries=0, timeout=20)
-        assert {m.id for m in client.models.list()} == {"mock", "mock-fast"}
-        reply = client.chat.completions.create(model="mock-fast", messages=[{"role": "user", "content": "hi"}])
+        with openai.OpenAI(base_url=f"{ready['http']}/v1", api_key="unused", max_retries=0, timeout=20) as client:
+            assert {m.id for m in client.models.list()} == {"mock", "mock-fast"}
+            reply = client.chat.completions.create(model="mock-fast", messages=[{"role": "user", "content": "hi"}])
         assert reply.usage.completion_tokens == 16
         up.signal(signal.SIGINT)
         assert up.popen.wait(20) == 0
@@ -41,7 +41,7 @@ def test_a_node_id_registering_again_replaces_the_old_process(tmp_path) -> None:
         cluster.wait_for_models("second")
         assert first.popen.wait(10) == 1
         assert "another node registered with this node id" in first.logs()
-        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=20)
+        client = cluster.client()
         assert client.chat.completions.create(model="second", messages=[{"role": "user", "content": "x"}]).choices
     finally:
         cluster.stop()
