@@ -120,7 +120,8 @@ async def _read_error(response: httpx.Response, read_timeout: float) -> str:
 
 async def read_lines(response: httpx.Response, read_timeout: float) -> AsyncGenerator[str, None]:
     """The response's non-empty lines; a backend silent for ``read_timeout`` is an error."""
-    async with aclosing(response.aiter_lines()) as lines:
+    lines: Any = response.aiter_lines()  # typed as an iterator, but it is an async generator
+    async with aclosing(lines):
         while True:
             with trio.move_on_after(read_timeout) as silence:
                 try:

@@ -13,6 +13,7 @@ from typing import Any
 from attrs import frozen
 
 from .base import Adapter
+from .cli import CliAdapter, CliAdapterConfig, CliOptions
 from .mock import MockAdapter, MockAdapterConfig, MockOptions
 from .ollama import OllamaAdapter, OllamaConfig, OllamaOptions
 from .vllm import VllmAdapter, VllmConfig, VllmOptions
@@ -27,6 +28,7 @@ class AdapterEntry:
 
 ADAPTERS: dict[str, AdapterEntry] = {
     "mock": AdapterEntry(MockAdapterConfig, MockOptions, MockAdapter),
+    "cli": AdapterEntry(CliAdapterConfig, CliOptions, CliAdapter),
     "ollama": AdapterEntry(OllamaConfig, OllamaOptions, OllamaAdapter),
     "vllm": AdapterEntry(VllmConfig, VllmOptions, VllmAdapter),
 }

@@ -99,8 +99,18 @@ def make_strict_converter() -> cattrs.Converter:
     return converter
 
 
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    """cattrs' wording, plus the exception's own text when it adds something (an attrs
+    validator's "'ttft' must be >= 0: -1" names the field cattrs cannot)."""
+    text = cattrs.v.format_exception(exc, type_)
+    detail = str(exc)
+    if isinstance(exc, ValueError | TypeError) and detail and detail not in text:
+        return f"{text}: {detail}"
+    return text
+
+
 def describe_error(exc: Exception, path: str = "$") -> str:
     """Turn a cattrs validation error into one readable line naming the offending keys."""
     if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc, path=path))
+        return "; ".join(cattrs.transform_error(exc, path=path, format_exception=_format_exception))
     return f"{exc} @ {path}"

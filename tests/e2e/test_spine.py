@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import signal
 import socket
 import ssl
 import subprocess
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
