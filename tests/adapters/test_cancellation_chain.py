@@ -1,4 +1,4 @@
-"""A client that goes away stops the backend, in every phase, for the HTTP adapters.
+"""A client that goes away stops the backend, in every phase, for every real adapter.
 
 One trio run holds the whole chain over real loopback sockets: an httpx client, the edge
 (hypercorn + quart-trio), IOP over mutual TLS, a node with the vllm or ollama adapter, and a
@@ -8,10 +8,14 @@ backend double that records when, and in which phase, its client disconnected. T
 - ``before_first_token``: response headers sent, no token yet;
 - ``mid_stream``: tokens are flowing;
 - ``non_streaming``: the client asked for a whole response (upstream still streams).
+
+For the cli adapter the backend is a process group: it has seen the disconnect once it is gone
+(there is no backend queue in front of a program, so its phases start at "before first token").
 """
 
 from __future__ import annotations
 
+import sys
 from contextlib import aclosing
 from functools import partial
 from pathlib import Path
@@ -57,6 +61,15 @@ async def start_stack(nursery: trio.Nursery, tmp_path: Path, adapter: str, behav
     app_factory, suffix = BACKENDS[adapter]
     recorder = Recorder()
     backend_url = await nursery.start(partial(serve_double, app_factory(behaviour, recorder)))
+    model = ModelConfig(name="m", adapter=adapter, backend_model="double-model")
+    adapters = {adapter: {"base_url": backend_url + suffix, "read_timeout": 30.0}}
+    runner, url = await start_edge_and_node(nursery, tmp_path, model, adapters)
+    return Stack(url, runner, recorder)
+
+
+async def start_edge_and_node(
+    nursery: trio.Nursery, tmp_path: Path, model: ModelConfig, adapters: dict
+) -> tuple[NodeRunner, str]:
     certs = tmp_path / "certs"
     init_certs(certs, nodes=["node-1"])
     edge_config = EdgeConfig(
@@ -75,12 +88,12 @@ async def start_stack(nursery: trio.Nursery, tmp_path: Path, adapter: str, behav
         token=state.tokens.create("node-1").token,
         tls=tls(certs, "node-1"),
         data_dir=str(tmp_path / "node-1"),
-        models=(ModelConfig(name="m", adapter=adapter, backend_model="double-model"),),
-        adapters={adapter: {"base_url": backend_url + suffix, "read_timeout": 30.0}},
+        models=(model,),
+        adapters=adapters,
     )
     runner = build_node(settings, "test")
     await nursery.start(runner.run, stop.wait)
-    return Stack(addresses["http"], runner, recorder)
+    return runner, addresses["http"]
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -157,3 +170,71 @@ async def test_complete_run_through_each_adapter(adapter, tmp_path, nursery) -> 
     assert reply["usage"] == {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7}
     row = await stack.wait_for_row("complete")
     assert row["completion_tokens"] == 6
+
+
+# The cli adapter: the "backend" is a process group; it has seen the disconnect when it is gone.
+CLI_PROGRAM = """
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(float(sys.argv[2]))
+for index in range(1000):
+    print(f"w{index}", end=" ", flush=True)
+    time.sleep(0.05)
+"""
+
+
+async def start_cli_stack(nursery: trio.Nursery, tmp_path: Path, ttft: float) -> tuple[NodeRunner, str, Path]:
+    pidfile = tmp_path / "program.pid"
+    argv = [sys.executable, "-c", CLI_PROGRAM, str(pidfile), str(ttft)]
+    model = ModelConfig(name="m", adapter="cli", options={"argv": argv, "kill_grace": 0.5})
+    runner, url = await start_edge_and_node(nursery, tmp_path, model, {})
+    return runner, url, pidfile
+
+
+async def wait_started(pidfile: Path) -> int:
+    with trio.fail_after(10):
+        while not pidfile.exists() or not pidfile.read_text():
+            await trio.sleep(0.01)
+    return int(pidfile.read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def assert_program_stopped(runner: NodeRunner, pid: int, gone_at: float) -> None:
+    with trio.fail_after(5):
+        while alive(pid):
+            await trio.sleep(0.005)
+    assert trio.current_time() - gone_at < MAX_CANCEL_LAG
+    stack = Stack("", runner, Recorder())
+    await stack.wait_for_row("cancelled")
+
+
+@pytest.mark.parametrize("phase", ["before_first_token", "mid_stream", "non_streaming"])
+async def test_cli_program_stops_when_the_client_leaves(phase, tmp_path, nursery) -> None:
+    runner, url, pidfile = await start_cli_stack(nursery, tmp_path, ttft=60 if phase == "before_first_token" else 0)
+    async with httpx.AsyncClient(timeout=30) as client:
+        if phase == "non_streaming":
+            with trio.CancelScope() as scope:
+                async def leave_after_output() -> None:
+                    await wait_started(pidfile)
+                    await trio.sleep(0.3)
+                    scope.cancel()
+                nursery.start_soon(leave_after_output)
+                await client.post(f"{url}/v1/chat/completions", json=BODY)
+            gone_at = trio.current_time()
+        else:
+            async with client.stream("POST", f"{url}/v1/chat/completions", json={**BODY, "stream": True}) as response:
+                async with aclosing(response.aiter_lines()) as lines:
+                    await wait_started(pidfile)
+                    if phase == "mid_stream":
+                        async for line in lines:
+                            if '"content":"w2' in line:
+                                break
+                gone_at = trio.current_time()
+    await assert_program_stopped(runner, int(pidfile.read_text()), gone_at)
