@@ -45,12 +45,11 @@ class Stack:
         self.recorder = recorder
 
     async def wait_for_row(self, status: str) -> dict:
-        with trio.fail_after(5):
-            while True:
-                rows = self.runner.store.list_runs(status)
-                if rows:
-                    return rows[0]
-                await trio.sleep(0.01)
+        async def recorded() -> bool:
+            return bool(self.runner.store.list_runs(status))
+
+        await poll(recorded, 5)
+        return self.runner.store.list_runs(status)[0]
 
 
 def tls(certs: Path, name: str) -> TlsConfig:
@@ -191,25 +190,33 @@ async def start_cli_stack(nursery: trio.Nursery, tmp_path: Path, ttft: float) ->
     return runner, url, pidfile
 
 
+async def poll(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
+    """Wait for state that lives in another process, which no trio.Event can signal."""
+    with trio.fail_after(timeout):
+        while not await check():  # noqa: ASYNC110 - polling another process is the point
+            await trio.sleep(0.005)
+
+
 async def wait_started(pidfile: Path) -> int:
-    with trio.fail_after(10):
-        while not pidfile.exists() or not pidfile.read_text():
-            await trio.sleep(0.01)
-    return int(pidfile.read_text())
+    path = trio.Path(pidfile)
+
+    async def written() -> bool:
+        return await path.exists() and bool(await path.read_text())
+
+    await poll(written, 10)
+    return int(await path.read_text())
 
 
-def alive(pid: int) -> bool:
+async def gone(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        stat = await trio.Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
-        return False
-    return state != "Z"
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited already
 
 
 async def assert_program_stopped(runner: NodeRunner, pid: int, gone_at: float) -> None:
-    with trio.fail_after(5):
-        while alive(pid):
-            await trio.sleep(0.005)
+    await poll(lambda: gone(pid), 5)
     assert trio.current_time() - gone_at < MAX_CANCEL_LAG
     stack = Stack("", runner, Recorder())
     await stack.wait_for_row("cancelled")
@@ -237,4 +244,4 @@ async def test_cli_program_stops_when_the_client_leaves(phase, tmp_path, nursery
                             if '"content":"w2' in line:
                                 break
                 gone_at = trio.current_time()
-    await assert_program_stopped(runner, int(pidfile.read_text()), gone_at)
+    await assert_program_stopped(runner, await wait_started(pidfile), gone_at)
