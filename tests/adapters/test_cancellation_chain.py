@@ -16,6 +16,7 @@ For the cli adapter the backend is a process group: it has seen the disconnect o
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from pathlib import Path
@@ -190,9 +191,9 @@ async def start_cli_stack(nursery: trio.Nursery, tmp_path: Path, ttft: float) ->
     return runner, url, pidfile
 
 
-async def poll(check: Callable[[], Awaitable[bool]], timeout: float) -> None:
+async def poll(check: Callable[[], Awaitable[bool]], limit: float) -> None:
     """Wait for state that lives in another process, which no trio.Event can signal."""
-    with trio.fail_after(timeout):
+    with trio.fail_after(limit):
         while not await check():  # noqa: ASYNC110 - polling another process is the point
             await trio.sleep(0.005)
 
