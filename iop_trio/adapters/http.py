@@ -18,7 +18,7 @@ import trio
 from attrs import field, frozen
 from attrs.validators import gt
 
-from .base import BackendError
+from .base import BackendError, Capabilities
 
 ERROR_BODY_LIMIT = 4096
 
@@ -37,6 +37,40 @@ class HttpBackendConfig:
     max_connections: int = field(default=64, validator=gt(0))
     #: Also serve every model the backend lists, under its own name (opt-in).
     advertise_all: bool = False
+
+
+class HttpAdapter:
+    """What every HTTP adapter shares: its pooled client, its model table, model discovery.
+
+    Subclasses set ``models_path`` and ``models_key``/``model_name_key`` to say where the
+    backend's model list is (``GET /models`` -> ``data[].id``; Ollama's ``/api/tags`` ->
+    ``models[].name``) and implement ``execute``.
+    """
+
+    name: str
+    models_path: str
+    models_key: str
+    model_name_key: str
+
+    def __init__(self, config: HttpBackendConfig, models: dict[str, Any]) -> None:
+        self.config = config
+        self._models = models
+        self._client = make_client(config)
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(models=tuple(self._models))
+
+    async def discover_models(self) -> tuple[str, ...]:
+        if not self.config.advertise_all:
+            return ()
+        listing = await get_json(self._client, self.models_path, self.config.read_timeout)
+        try:
+            return tuple(str(model[self.model_name_key]) for model in listing[self.models_key])
+        except (KeyError, TypeError) as exc:
+            raise BackendError("backend_protocol_error", f"GET {self.models_path}: unexpected shape") from exc
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
 
 def make_client(config: HttpBackendConfig) -> httpx.AsyncClient:

@@ -12,8 +12,8 @@ from typing import Any
 from attrs import field, frozen
 
 from ..wire import Usage
-from .base import BackendError, Capabilities, Completion, ExecutionSpec, RunSink
-from .http import HttpBackendConfig, get_json, make_client, open_stream, parse_json_line, read_lines
+from .base import BackendError, Completion, ExecutionSpec, RunSink
+from .http import HttpAdapter, HttpBackendConfig, open_stream, parse_json_line, read_lines
 
 
 @frozen
@@ -43,25 +43,10 @@ def ollama_options(spec: ExecutionSpec, extra: dict[str, Any]) -> dict[str, Any]
     return {**extra, **{key: value for key, value in mapped.items() if value is not None}}
 
 
-class OllamaAdapter:
+class OllamaAdapter(HttpAdapter):
     name = "ollama"
-
-    def __init__(self, config: OllamaConfig, models: dict[str, OllamaOptions]) -> None:
-        self.config = config
-        self._models = models
-        self._client = make_client(config)
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities(models=tuple(self._models))
-
-    async def discover_models(self) -> tuple[str, ...]:
-        if not self.config.advertise_all:
-            return ()
-        tags = await get_json(self._client, "/api/tags", self.config.read_timeout)
-        try:
-            return tuple(str(model["name"]) for model in tags["models"])
-        except (KeyError, TypeError) as exc:
-            raise BackendError("backend_protocol_error", "GET /api/tags: unexpected shape") from exc
+    models_path, models_key, model_name_key = "/api/tags", "models", "name"
+    config: OllamaConfig
 
     async def execute(self, spec: ExecutionSpec, sink: RunSink) -> Completion:
         options: OllamaOptions = spec.options or OllamaOptions()
@@ -95,9 +80,6 @@ class OllamaAdapter:
                         reason = "length" if data.get("done_reason") == "length" else "stop"
                         return Completion(reason, usage)
         raise BackendError("backend_protocol_error", "ollama stream ended before done=true")
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
 
 def _chat_text(data: dict[str, Any]) -> str:

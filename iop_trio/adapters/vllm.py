@@ -13,8 +13,8 @@ from typing import Any
 from attrs import field, frozen
 
 from ..wire import Usage
-from .base import BackendError, Capabilities, Completion, ExecutionSpec, RunSink
-from .http import HttpBackendConfig, get_json, make_client, open_stream, parse_json_line, read_lines
+from .base import BackendError, Completion, ExecutionSpec, RunSink
+from .http import HttpAdapter, HttpBackendConfig, open_stream, parse_json_line, read_lines
 
 
 @frozen
@@ -40,25 +40,10 @@ def sampling_body(spec: ExecutionSpec) -> dict[str, Any]:
     return {key: value for key, value in body.items() if value is not None}
 
 
-class VllmAdapter:
+class VllmAdapter(HttpAdapter):
     name = "vllm"
-
-    def __init__(self, config: VllmConfig, models: dict[str, VllmOptions]) -> None:
-        self.config = config
-        self._models = models
-        self._client = make_client(config)
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities(models=tuple(self._models))
-
-    async def discover_models(self) -> tuple[str, ...]:
-        if not self.config.advertise_all:
-            return ()
-        listing = await get_json(self._client, "/models", self.config.read_timeout)
-        try:
-            return tuple(str(model["id"]) for model in listing["data"])
-        except (KeyError, TypeError) as exc:
-            raise BackendError("backend_protocol_error", "GET /models: unexpected shape") from exc
+    models_path, models_key, model_name_key = "/models", "data", "id"
+    config: VllmConfig
 
     async def execute(self, spec: ExecutionSpec, sink: RunSink) -> Completion:
         options: VllmOptions = spec.options or VllmOptions()
@@ -100,9 +85,6 @@ class VllmAdapter:
         if finish_reason is None:
             raise BackendError("backend_protocol_error", "stream ended without a finish_reason")
         return Completion(finish_reason, usage)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
 
 def _choice_text(choice: dict[str, Any], kind: str) -> str:
