@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import cattrs
 import yaml
 from attrs import define, field, frozen
+from attrs.validators import ge, gt, min_len
 
 from .transport.tls import TlsConfig
 from .wire.converter import describe_error, make_strict_converter
@@ -43,11 +44,59 @@ class IopListenConfig:
 
 
 @frozen
+class NodeOverride:
+    """A ``max_concurrency`` for the nodes this entry matches: by ``node_id``, or by carrying all
+    of ``labels``. The first matching entry wins; a node's own ``capacity`` still caps it."""
+
+    max_concurrency: int = field(validator=gt(0))
+    node_id: str = ""
+    labels: dict[str, str] = field(factory=dict)
+
+
+@frozen
 class NodeDefaults:
     """Centrally managed node settings, sent to every node in ``register.response``."""
 
-    max_concurrency: int = 64
-    heartbeat_interval: float = 30.0
+    max_concurrency: int = field(default=64, validator=gt(0))
+    heartbeat_interval: float = field(default=30.0, validator=gt(0))
+    overrides: tuple[NodeOverride, ...] = ()
+
+
+@frozen
+class QueueConfig:
+    """Backpressure: when every candidate node is full, requests wait here, per model."""
+
+    #: Requests waiting per model beyond which new ones get 429 at once.
+    max_waiting: int = field(default=256, validator=ge(0))
+    #: Seconds a request may wait for a free node before it gets 429.
+    timeout: float = field(default=30.0, validator=ge(0))
+
+
+@frozen
+class ModelPolicy:
+    """Placement: only nodes carrying all of ``node_labels`` serve this model."""
+
+    node_labels: dict[str, str] = field(factory=dict)
+
+
+@frozen
+class ApiKeyConfig:
+    """An API key: which models it may use, its rate limits (0 = unlimited) and its priority.
+    In YAML a plain string is a key with no limits."""
+
+    key: str = field(validator=min_len(1))
+    name: str = ""
+    models: tuple[str, ...] = ()
+    requests_per_minute: int = field(default=0, validator=ge(0))
+    tokens_per_minute: int = field(default=0, validator=ge(0))
+    priority: int = 0
+
+
+@frozen
+class RetryConfig:
+    """Transparent retries of a run whose node failed before its first token."""
+
+    max_attempts: int = field(default=3, validator=gt(0))
 
 
 @frozen
@@ -57,8 +106,13 @@ class EdgeConfig:
     tls: TlsConfig = TlsConfig()
     data_dir: str = "iop-data/edge"
     #: Bearer keys accepted by the HTTP API; empty means no authentication.
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[ApiKeyConfig, ...] = ()
+    #: Bearer key for the admin API (``/admin/...``); empty disables it.
+    admin_key: str = ""
     nodes: NodeDefaults = NodeDefaults()
+    queue: QueueConfig = QueueConfig()
+    models: dict[str, ModelPolicy] = field(factory=dict)
+    retry: RetryConfig = RetryConfig()
     #: Budget for telling a node to cancel a run whose client went away.
     cancel_timeout: float = 5.0
     #: Default deadline for a run, in seconds (0 = none).
@@ -126,6 +180,11 @@ class NodeSettings:
 
 
 _converter = make_strict_converter()
+_structure_api_key = _converter.get_structure_hook(ApiKeyConfig)
+_converter.register_structure_hook(
+    ApiKeyConfig,
+    lambda value, cls: ApiKeyConfig(key=value) if isinstance(value, str) else _structure_api_key(value, cls),
+)
 
 
 def structure(data: Any, cls: type[T], source: str) -> T:

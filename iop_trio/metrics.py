@@ -17,6 +17,11 @@ class EdgeMetrics:
             "iop_http_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
         self.runs = Counter("iop_runs", "Runs by final status", ["status"], registry=self.registry)
+        self.retries = Counter(
+            "iop_run_retries", "Runs moved to another node after a failure before their first token",
+            registry=self.registry,
+        )
+        self.queued = Gauge("iop_queued_requests", "Requests waiting for a free node", registry=self.registry)
         self.active_runs = Gauge("iop_active_runs", "Runs in flight", registry=self.registry)
         self.connected_nodes = Gauge("iop_connected_nodes", "Registered nodes", registry=self.registry)
         self.ttft = Histogram(

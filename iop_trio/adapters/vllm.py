@@ -48,11 +48,11 @@ class VllmAdapter(HttpAdapter):
     async def execute(self, spec: ExecutionSpec, sink: RunSink) -> Completion:
         options: VllmOptions = spec.options or VllmOptions()
         body: dict[str, Any] = {
+            **options.extra_body,  # the operator's defaults; what the client asked for wins
             "model": spec.backend_model,
             "stream": True,
             "stream_options": {"include_usage": True},
             **sampling_body(spec),
-            **options.extra_body,
         }
         if spec.kind == "chat":
             path = "/chat/completions"

@@ -1,40 +1,163 @@
-"""Scheduling: which node runs a request.
+"""Scheduling and backpressure: which node runs a request, and who waits when all are full.
 
-Only nodes serving the model are candidates; among those with free capacity, the one with the
-fewest outstanding runs relative to its capacity wins (ties go to the longest-registered node).
+Candidates are the nodes that serve the model, are neither draining nor gone, are allowed by
+placement policy, and were not already tried for this request. Among those with a free slot the
+least loaded relative to its ``max_concurrency`` wins (a full scan: with per-model candidate
+lists this is cheap and strictly better than power-of-two choices). A slot is reserved in the
+same step as the decision, so no node is ever given more runs than its ``max_concurrency``.
+
+When every candidate is full the request waits in its model's queue: a heap ordered by priority
+(higher first), then arrival. The queue is bounded (``queue.max_waiting``) and so is the wait
+(``queue.timeout``); past either the client gets 429. A freed slot is handed directly to the
+best waiter, so a newcomer can never overtake the queue. A waiter whose client disconnects is
+cancelled like any trio task and leaves the queue at once.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
+import trio
+from attrs import define, field
+
+from ..config import QueueConfig
+from .inbox import RunInbox
+from .policy import Placement
 from .registry import NodeRegistry
 from .session import NodeSession
 
 
 class NoNodeAvailable(Exception):
-    """Why nothing could take the request, as an HTTP status and an OpenAI error code."""
+    """Why nothing can take the request, as an HTTP status and an OpenAI error code."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+
+@define(eq=False)
+class Waiter:
+    model: str
+    run_id: str
+    exclude: frozenset[str]
+    granted: trio.Event = field(factory=trio.Event)
+    session: NodeSession | None = None
+    inbox: RunInbox | None = None
+    abandoned: bool = False
+
+
+@define
+class Grant:
+    session: NodeSession
+    inbox: RunInbox
 
 
 class Scheduler:
-    def __init__(self, registry: NodeRegistry) -> None:
+    def __init__(
+        self, registry: NodeRegistry, placement: Placement | None = None, queue: QueueConfig | None = None
+    ) -> None:
         self.registry = registry
+        self.placement = placement or Placement({})
+        self.queue = queue or QueueConfig()
+        self._queues: dict[str, list[tuple[int, int, Waiter]]] = {}
+        self._waiting: dict[str, int] = {}
+        self._arrivals = itertools.count()
 
-    def pick(self, model: str, exclude: frozenset[str] = frozenset()) -> NodeSession:
+    def waiting(self, model: str) -> int:
+        return self._waiting.get(model, 0)
+
+    def total_waiting(self) -> int:
+        return sum(self._waiting.values())
+
+    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[NodeSession]:
+        return [
+            session
+            for session in self.registry.serving(model)
+            if session.schedulable
+            and session.node_id not in exclude
+            and self.placement.allows(model, session.info.labels)
+        ]
+
+    def check_servable(self, model: str, exclude: frozenset[str] = frozenset()) -> None:
+        """Fail fast when no node could ever take this request, rather than queue it."""
         if not len(self.registry):
-            raise NoNodeAvailable(503, "no_node_available", "no inference node is connected")
-        candidates = [s for s in self.registry.serving(model) if s.node_id not in exclude]
-        if not candidates:
+            raise NoNodeAvailable(503, "no_node_available", "no inference node is connected", retry_after=1)
+        if not self.registry.serving(model):
+            raise NoNodeAvailable(404, "model_not_found", f"The model `{model}` does not exist or no node serves it.")
+        if not self.candidates(model, exclude):
             raise NoNodeAvailable(
-                404, "model_not_found", f"The model `{model}` does not exist or no node serves it."
+                503, "no_node_available", f"no node can take `{model}` now (draining, placement or failed)",
+                retry_after=1,
             )
-        free = [s for s in candidates if s.has_capacity and not s.closed]
-        if not free:
+
+    async def acquire(
+        self, model: str, run_id: str, priority: int = 0, exclude: frozenset[str] = frozenset()
+    ) -> Grant:
+        """A node with a slot reserved for ``run_id``; waits in the model's queue when all are full."""
+        self.check_servable(model, exclude)
+        if self.waiting(model) >= self.queue.max_waiting:
             raise NoNodeAvailable(
-                429, "capacity_exceeded", f"every node serving `{model}` is at capacity; retry shortly"
+                429, "queue_full", f"every node serving `{model}` is busy and its queue is full", retry_after=1
             )
-        return min(free, key=lambda s: s.outstanding / max(1, s.config.max_concurrency))
+        waiter = Waiter(model, run_id, exclude)
+        heapq.heappush(self._queues.setdefault(model, []), (-priority, next(self._arrivals), waiter))
+        self._waiting[model] = self.waiting(model) + 1
+        self._dispatch(model)
+        keep = False
+        try:
+            with trio.move_on_after(self.queue.timeout):
+                await waiter.granted.wait()
+            keep = waiter.session is not None
+        finally:
+            if not keep:
+                self._abandon(waiter)
+        if waiter.session is None or waiter.inbox is None:
+            raise NoNodeAvailable(
+                429, "queue_timeout",
+                f"no node serving `{model}` had a free slot within {self.queue.timeout:g}s", retry_after=1,
+            )
+        return Grant(waiter.session, waiter.inbox)
+
+    def _abandon(self, waiter: Waiter) -> None:
+        if waiter.session is not None:
+            # Granted, but the client left before it could use the slot: give it back.
+            waiter.session.runs.pop(waiter.run_id, None)
+            self.release(waiter.session)
+        elif not waiter.abandoned:
+            waiter.abandoned = True
+            self._waiting[waiter.model] -= 1
+
+    def release(self, session: NodeSession) -> None:
+        """A slot on ``session`` freed up (or the node just registered): serve the queues."""
+        for model in session.info.models:
+            if self.waiting(model):
+                self._dispatch(model)
+
+    def _dispatch(self, model: str) -> None:
+        queue = self._queues.get(model)
+        while queue:
+            waiter = queue[0][2]
+            if waiter.abandoned:
+                heapq.heappop(queue)
+                continue
+            session = least_loaded(self.candidates(model, waiter.exclude))
+            if session is None:
+                return
+            heapq.heappop(queue)
+            self._waiting[model] -= 1
+            waiter.session = session
+            waiter.inbox = session.reserve(waiter.run_id)
+            waiter.granted.set()
+
+
+def least_loaded(candidates: list[NodeSession]) -> NodeSession | None:
+    """The free candidate with the lowest load; ties go to the longest-registered node."""
+    best: NodeSession | None = None
+    for session in candidates:
+        if session.has_capacity and (best is None or session.load < best.load):
+            best = session
+    return best

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
 from ..transport import ConnectionClosed, FramedConnection
 from ..wire import (
     CancelRequest,
+    Drain,
     Error,
     Heartbeat,
     Message,
@@ -37,6 +39,10 @@ class NodeSession:
         self.scope = trio.CancelScope()
         self.runs: dict[str, RunInbox] = {}
         self.closed = False
+        #: Set when the node announced it is shutting down: nothing new is scheduled to it.
+        self.draining = False
+        #: Called whenever a slot frees up, so queued requests can take it (the scheduler's).
+        self.on_release: Callable[[NodeSession], None] = lambda session: None
 
     @property
     def node_id(self) -> str:
@@ -50,6 +56,18 @@ class NodeSession:
     def has_capacity(self) -> bool:
         return len(self.runs) < self.config.max_concurrency
 
+    @property
+    def schedulable(self) -> bool:
+        return not self.closed and not self.draining
+
+    @property
+    def load(self) -> float:
+        return len(self.runs) / self.config.max_concurrency
+
+    @property
+    def state(self) -> str:
+        return "closed" if self.closed else "draining" if self.draining else "ready"
+
     def serves(self, model: str) -> bool:
         return model in self.info.models
 
@@ -61,6 +79,9 @@ class NodeSession:
             # Events for a run the edge already gave up on are expected after a cancel: dropped.
         elif isinstance(message, Heartbeat):
             pass
+        elif isinstance(message, Drain):
+            self.draining = True
+            log.info("node draining", extra={"node_id": self.node_id, "reason": message.reason})
         elif isinstance(message, Error):
             inbox = self.runs.get(message.run_id or "")
             if inbox is not None:
@@ -85,25 +106,28 @@ class NodeSession:
         """A newer connection registered with this node id: end this one."""
         self.scope.cancel()
 
-    async def start_run(self, request: RunRequest) -> RunInbox:
-        """Register the run's inbox and send the request to the node."""
-        if self.closed:
-            raise ConnectionClosed(f"node {self.node_id} is gone")
+    def reserve(self, run_id: str) -> RunInbox:
+        """Take one of this node's slots for ``run_id`` (synchronously: the scheduler's decision
+        and the slot it counts are one step)."""
         inbox = RunInbox()
-        self.runs[request.run_id] = inbox
-        try:
-            await self.conn.send(request)
-        except BaseException:
-            del self.runs[request.run_id]
-            raise
+        self.runs[run_id] = inbox
         return inbox
 
-    async def finish_run(self, run_id: str, cancel_timeout: float) -> bool:
-        """Forget the run; if it had not ended, tell the node to cancel it (shielded, bounded).
+    async def send_run(self, request: RunRequest) -> None:
+        """Send a reserved run to the node; a node already gone fails its inbox instead."""
+        try:
+            await self.conn.send(request)
+        except ConnectionClosed as exc:
+            self.runs[request.run_id].fail("node_lost", f"node {self.node_id} was lost: {exc}")
 
-        Returns True when a cancel was sent."""
+    async def finish_run(self, run_id: str, cancel_timeout: float) -> bool:
+        """Free the run's slot; if it had not ended, tell the node to cancel it (shielded,
+        bounded). Returns True when a cancel was sent."""
         inbox = self.runs.pop(run_id, None)
-        if inbox is None or inbox.ended or self.closed:
+        if inbox is None:
+            return False
+        self.on_release(self)
+        if inbox.ended or self.closed:
             return False
         with trio.CancelScope(shield=True), trio.move_on_after(cancel_timeout):
             try:

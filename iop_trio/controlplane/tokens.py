@@ -60,8 +60,8 @@ def split_token(token: str) -> tuple[str, str] | None:
 
 
 class TokenStore:
-    def __init__(self, path: str | Path) -> None:
-        self.db = Database(path, SCHEMA)
+    def __init__(self, path: str | Path, *, in_thread: bool = True) -> None:
+        self.db = Database(path, SCHEMA, in_thread=in_thread)
 
     def create(self, node_id: str | None = None) -> IssuedToken:
         token_id = secrets.token_hex(6)

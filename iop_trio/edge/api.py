@@ -19,7 +19,7 @@ from typing import Any
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
-from ..controlplane import NoNodeAvailable
+from ..controlplane import KeyLimits, NoNodeAvailable, RateLimited
 from .errors import ApiError, error_body
 from .openai_format import SSE_DONE, ResponseShaper, sse
 from .openai_requests import ParsedRequest, parse_chat, parse_completion, parse_json_object
@@ -45,7 +45,6 @@ def error_response(error: ApiError) -> Response:
 def create_app(state: EdgeState) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = state.config.http.max_body_size
-    api_keys = tuple(state.config.api_keys)
     metrics = state.metrics
 
     def route_label() -> str:
@@ -54,13 +53,15 @@ def create_app(state: EdgeState) -> QuartTrio:
     @app.before_request
     async def authenticate() -> Response | None:
         g.started = time.perf_counter()
-        if not api_keys or not request.path.startswith("/v1/"):
+        g.limits = None
+        if request.path.startswith("/admin/"):
+            return None if admin_allowed(state, request.headers) else error_response(admin_refusal(state))
+        if not state.keys or not request.path.startswith("/v1/"):
             return None
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(key, k) for k in api_keys):
-            return error_response(
-                ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-            )
+        limits = find_key(state, request.headers)
+        if limits is None:
+            return error_response(ApiError(401, "Incorrect API key provided.", code="invalid_api_key"))
+        g.limits = limits
         return None
 
     @app.after_request
@@ -96,6 +97,13 @@ def create_app(state: EdgeState) -> QuartTrio:
     async def prometheus() -> Response:
         return Response(metrics.render(), content_type=metrics.content_type)
 
+    @app.get("/admin/nodes")
+    async def admin_nodes() -> Response:
+        nodes = state.registry.describe()
+        for node in nodes:
+            node["queued"] = {m: state.scheduler.waiting(m) for m in node["models"] if state.scheduler.waiting(m)}
+        return json_response({"object": "list", "data": nodes})
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         data = [model_card(model) for model in state.registry.models()]
@@ -116,14 +124,29 @@ def create_app(state: EdgeState) -> QuartTrio:
         return await serve(parse_completion(parse_json_object(await request.get_data())))
 
     async def serve(parsed: ParsedRequest) -> Response:
+        limits: KeyLimits | None = g.limits
+        priority = request_priority(request.headers, limits)
+        if limits is not None:
+            if not limits.allows_model(parsed.model):
+                raise ApiError(
+                    403, f"This API key may not use the model `{parsed.model}`.",
+                    code="model_not_allowed", param="model",
+                )
+            try:
+                limits.admit()
+            except RateLimited as exc:
+                raise ApiError(
+                    429, exc.message, type="requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(exc.retry_after)},
+                ) from exc
         try:
-            run = await EdgeRun.open(state, parsed)
+            run = await EdgeRun.open(state, parsed, priority, limits)
         except NoNodeAvailable as exc:
-            headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
             kind = "invalid_request_error" if exc.status == 404 else "server_error"
             raise ApiError(exc.status, exc.message, type=kind, code=exc.code, headers=headers) from exc
         prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
-        shaper = ResponseShaper(parsed.kind, prefix + run.run_id, parsed.model, int(time.time()), parsed.include_usage)
+        shaper = ResponseShaper(parsed.kind, prefix + run.id, parsed.model, int(time.time()), parsed.include_usage)
         try:
             # Wait for the node to start the run: an immediate failure is still an HTTP status.
             await run.next_event()
@@ -163,6 +186,45 @@ def create_app(state: EdgeState) -> QuartTrio:
             metrics.request_duration.labels(route=route).observe(time.perf_counter() - started)
 
     return app
+
+
+def find_key(state: EdgeState, headers: Any) -> KeyLimits | None:
+    scheme, _, presented = headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    for key, limits in state.keys.items():
+        if hmac.compare_digest(presented, key):
+            return limits
+    return None
+
+
+def admin_allowed(state: EdgeState, headers: Any) -> bool:
+    scheme, _, presented = headers.get("Authorization", "").partition(" ")
+    admin_key = state.config.admin_key
+    return bool(admin_key) and scheme.lower() == "bearer" and hmac.compare_digest(presented, admin_key)
+
+
+def admin_refusal(state: EdgeState) -> ApiError:
+    if not state.config.admin_key:
+        return ApiError(403, "The admin API is disabled: set admin_key in the edge config.", code="admin_disabled")
+    return ApiError(401, "Incorrect admin key provided.", code="invalid_api_key")
+
+
+PRIORITY_HEADER = "X-IOP-Priority"
+
+
+def request_priority(headers: Any, limits: KeyLimits | None) -> int:
+    """The key's priority (0 without keys); the ``X-IOP-Priority`` header may only lower it, so
+    a batch job can step aside for interactive traffic but no client can jump the queue."""
+    ceiling = limits.config.priority if limits is not None else 0
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return ceiling
+    try:
+        asked = int(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"{PRIORITY_HEADER} must be an integer.", param=PRIORITY_HEADER) from exc
+    return min(asked, ceiling)
 
 
 def model_card(model: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import logging
 import trio
 
 from ..controlplane import NodeSession
+from ..controlplane.policy import labels_match
 from ..transport import (
     ConnectionClosed,
     FramedConnection,
@@ -79,9 +80,18 @@ class NodeAcceptor:
         await conn.flush_and_close()
 
     def _node_config(self, request: RegisterRequest) -> NodeConfig:
+        """The central config for this node: the edge's default ``max_concurrency``, or the first
+        override matching its id or labels, never above the capacity the node declared."""
         defaults = self.state.config.nodes
+        limit = defaults.max_concurrency
+        for override in defaults.overrides:
+            if (override.node_id and override.node_id == request.node_id) or (
+                not override.node_id and override.labels and labels_match(override.labels, request.labels)
+            ):
+                limit = override.max_concurrency
+                break
         return NodeConfig(
-            max_concurrency=max(1, min(request.capacity, defaults.max_concurrency)),
+            max_concurrency=max(1, min(request.capacity, limit)),
             heartbeat_interval=defaults.heartbeat_interval,
             models=request.models,
             labels=dict(request.labels),
@@ -90,9 +100,12 @@ class NodeAcceptor:
     async def _serve(self, session: NodeSession) -> None:
         registry, metrics = self.state.registry, self.state.metrics
         reason = "connection closed"
+        scheduler = self.state.scheduler
+        session.on_release = scheduler.release
         with session.scope:
             registry.add(session)
             metrics.connected_nodes.set(len(registry))
+            scheduler.release(session)  # its free slots may serve requests already queued
             log.info(
                 "node registered",
                 extra={"node_id": session.node_id, "peer": session.peer, "models": ",".join(session.info.models)},

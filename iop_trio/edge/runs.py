@@ -1,8 +1,14 @@
-"""One client request's run, seen from the edge: schedule it, follow its events, end it once.
+"""One client request, seen from the edge: schedule it, follow its events, end it once.
 
-``EdgeRun.close`` is the single exit: if the run had not ended (the client went away, or the
-handler was cancelled), it sends ``cancel.request`` to the node, shielded and bounded; then it
-records the run in the edge's history and metrics exactly once.
+A request may take several attempts: when its node fails before the first token (the node was
+lost, was busy, or started draining), it is retried transparently on another node, never the
+same one, up to ``retry.max_attempts``. Once a token has reached the client there is no retry: a
+later failure ends the request with an error.
+
+``EdgeRun.close`` is the single exit. If the current attempt had not ended (the client went
+away, or the handler was cancelled) it sends ``cancel.request`` to the node, shielded and
+bounded; then it records the attempt in the edge's history and the request in the metrics,
+exactly once.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import secrets
 
 import trio
 
-from ..controlplane import NodeSession, RunInbox, RunLost
+from ..controlplane import KeyLimits, NodeSession, RunInbox, RunLost
 from ..store import RunOutcome
 from ..wire import RunEvent, RunRequest, Usage
 from .errors import run_error
@@ -21,59 +27,98 @@ from .state import EdgeState
 
 log = logging.getLogger("iop_trio.edge")
 
+#: Failures that happen to a run, not because of it: another node may well succeed.
+RETRYABLE = frozenset({"node_lost", "node_busy", "node_draining"})
+
 
 def new_run_id() -> str:
     return secrets.token_hex(12)
 
 
 class EdgeRun:
-    def __init__(self, state: EdgeState, session: NodeSession, request: RunRequest, inbox: RunInbox) -> None:
+    def __init__(
+        self, state: EdgeState, parsed: ParsedRequest, priority: int = 0, limits: KeyLimits | None = None
+    ) -> None:
         self.state = state
-        self.session = session
-        self.request = request
-        self.inbox = inbox
+        self.parsed = parsed
+        self.priority = priority
+        self.limits = limits
+        self.id = new_run_id()
+        self.tried: list[str] = []
+        self.session: NodeSession | None = None
+        self.inbox: RunInbox | None = None
+        self.run_id = ""
         self.started_at = trio.current_time()
         self.first_token_at: float | None = None
         self.completion_tokens = 0
         self.usage: Usage | None = None
         self.finish_reason: str | None = None
+        self._started = False
         self._status = "cancelled"
         self._error: str | None = None
         self._closed = False
 
     @classmethod
-    async def open(cls, state: EdgeState, parsed: ParsedRequest) -> EdgeRun:
-        """Pick a node and send it the run (raises NoNodeAvailable when none can take it)."""
-        session = state.scheduler.pick(parsed.model)
-        deadline = state.config.run_deadline or None
-        request = RunRequest(
-            run_id=new_run_id(),
-            model=parsed.model,
-            kind=parsed.kind,
-            messages=parsed.messages,
-            prompt=parsed.prompt,
-            params=parsed.params,
-            deadline=deadline,
-        )
-        inbox = await session.start_run(request)
-        run = cls(state, session, request, inbox)
+    async def open(
+        cls, state: EdgeState, parsed: ParsedRequest, priority: int = 0, limits: KeyLimits | None = None
+    ) -> EdgeRun:
+        """Schedule the request (waiting in the queue if need be) and send it to its node.
+        Raises NoNodeAvailable (404/429/503) when no node can take it."""
+        run = cls(state, parsed, priority, limits)
         state.run_started()
-        await state.runs.start_run(request.run_id, session.node_id, parsed.model, "edge")
+        try:
+            await run._attempt()
+        except BaseException:
+            await run.close()
+            raise
         return run
 
-    @property
-    def run_id(self) -> str:
-        return self.request.run_id
+    async def _attempt(self) -> None:
+        run_id = new_run_id()
+        grant = await self.state.scheduler.acquire(
+            self.parsed.model, run_id, self.priority, frozenset(self.tried)
+        )
+        self.session, self.inbox, self.run_id = grant.session, grant.inbox, run_id
+        self.tried.append(grant.session.node_id)
+        request = RunRequest(
+            run_id=run_id,
+            model=self.parsed.model,
+            kind=self.parsed.kind,
+            messages=self.parsed.messages,
+            prompt=self.parsed.prompt,
+            params=self.parsed.params,
+            deadline=self.state.config.run_deadline or None,
+        )
+        await self.state.runs.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
+        await grant.session.send_run(request)
 
     async def next_event(self) -> RunEvent:
-        """The next ``start``/``delta``/``complete`` event; an ``error`` event or a lost node raises
-        :class:`~iop_trio.edge.errors.ApiError`."""
-        try:
-            event = await self.inbox.get()
-        except RunLost as exc:
-            self._status, self._error = "error", exc.message
-            raise run_error(exc.code, exc.message) from exc
-        if event.kind == "delta":
+        """The next ``start``/``delta``/``complete`` event (``start`` once, whatever the number of
+        attempts). A failure that cannot be retried raises :class:`~iop_trio.edge.errors.ApiError`."""
+        while True:
+            assert self.inbox is not None
+            try:
+                event = await self.inbox.get()
+            except RunLost as exc:
+                code, message = exc.code, exc.message
+            else:
+                if event.kind != "error":
+                    if event.kind == "start" and self._started:
+                        continue
+                    self._account(event)
+                    return event
+                code, message = event.code, event.message
+                self.usage = event.usage
+            if await self._retried(code, message):
+                continue
+            self._status = "cancelled" if code == "cancelled" else "error"
+            self._error = message
+            raise run_error(code, message)
+
+    def _account(self, event: RunEvent) -> None:
+        if event.kind == "start":
+            self._started = True
+        elif event.kind == "delta":
             if self.first_token_at is None:
                 self.first_token_at = trio.current_time()
                 self.state.metrics.ttft.observe(self.first_token_at - self.started_at)
@@ -82,27 +127,47 @@ class EdgeRun:
             self._status = "complete"
             self.usage = event.usage
             self.finish_reason = event.finish_reason
-        elif event.kind == "error":
-            self._status = "cancelled" if event.code == "cancelled" else "error"
-            self._error = event.message
-            self.usage = event.usage
-            raise run_error(event.code, event.message)
-        return event
+
+    async def _retried(self, code: str, message: str) -> bool:
+        """Move to another node if the failure allows it; False when the request must fail."""
+        if (
+            code not in RETRYABLE
+            or self.first_token_at is not None
+            or len(self.tried) >= self.state.config.retry.max_attempts
+            or not self.state.scheduler.candidates(self.parsed.model, frozenset(self.tried))
+        ):
+            return False
+        log.info(
+            "retrying run on another node",
+            extra={"request_id": self.id, "failed_node": self.tried[-1], "reason": message},
+        )
+        self.state.metrics.retries.inc()
+        await self._end_attempt(RunOutcome("error", error=f"retried elsewhere: {message}"))
+        await self._attempt()
+        return True
 
     def final_usage(self) -> Usage:
         return self.usage or Usage(0, self.completion_tokens)
+
+    async def _end_attempt(self, outcome: RunOutcome) -> None:
+        if self.session is None:
+            return
+        session, self.session = self.session, None
+        if await session.finish_run(self.run_id, self.state.config.cancel_timeout):
+            log.info("client went away; run cancelled", extra={"run_id": self.run_id, "node_id": session.node_id})
+        await self.state.runs.end_run(self.run_id, outcome)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         with trio.CancelScope(shield=True):
-            if await self.session.finish_run(self.run_id, self.state.config.cancel_timeout):
-                log.info("client went away; run cancelled", extra={"run_id": self.run_id, "node_id": self.session.node_id})
-                self._error = "client went away"
             usage = self.final_usage()
             ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
-            outcome = RunOutcome(self._status, usage.prompt_tokens, usage.completion_tokens, ttft, self._error)  # type: ignore[arg-type]
+            error = self._error or ("client went away" if self._status == "cancelled" else None)
+            outcome = RunOutcome(self._status, usage.prompt_tokens, usage.completion_tokens, ttft, error)  # type: ignore[arg-type]
+            await self._end_attempt(outcome)
             self.state.run_finished()
             self.state.metrics.runs.labels(status=self._status).inc()
-            await self.state.runs.end_run(self.run_id, outcome)
+            if self.limits is not None:
+                self.limits.charge_tokens(usage.total_tokens)

@@ -6,7 +6,7 @@ import trio
 from attrs import define, field
 
 from ..config import EdgeConfig
-from ..controlplane import NodeRegistry, Scheduler, TokenStore
+from ..controlplane import KeyLimits, NodeRegistry, Placement, Scheduler, TokenStore
 from ..metrics import EdgeMetrics
 from ..store import RunStore
 
@@ -19,9 +19,14 @@ class EdgeState:
     tokens: TokenStore
     runs: RunStore
     metrics: EdgeMetrics
+    #: API key -> its limits; empty when the API needs no key.
+    keys: dict[str, KeyLimits] = field(factory=dict)
     #: Runs whose client is still being served; shutdown waits for this to reach zero.
     runs_in_flight: int = 0
     _no_runs: trio.Event = field(factory=trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.metrics.queued.set_function(self.scheduler.total_waiting)
 
     def run_started(self) -> None:
         self.runs_in_flight += 1
@@ -39,15 +44,17 @@ class EdgeState:
             await self._no_runs.wait()
 
     @classmethod
-    def from_config(cls, config: EdgeConfig) -> EdgeState:
+    def from_config(cls, config: EdgeConfig, *, in_thread: bool = True) -> EdgeState:
+        """``in_thread=False`` only for MockClock tests (see store.sqlite.Database)."""
         registry = NodeRegistry()
         return cls(
             config=config,
             registry=registry,
-            scheduler=Scheduler(registry),
-            tokens=TokenStore(config.database),
-            runs=RunStore(config.database),
+            scheduler=Scheduler(registry, Placement(config.models), config.queue),
+            tokens=TokenStore(config.database, in_thread=in_thread),
+            runs=RunStore(config.database, in_thread=in_thread),
             metrics=EdgeMetrics(),
+            keys={key.key: KeyLimits(key) for key in config.api_keys},
         )
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from ..transport import (
     dial,
     serve_peer,
 )
-from ..wire import Error, RegisterRequest, RegisterResponse, RemoteProtocolError
+from ..wire import Drain, Error, RegisterRequest, RegisterResponse, RemoteProtocolError
 from .core import NodeCore, RegistrationRefused
 from .router import Router
 
@@ -47,6 +47,7 @@ class NodeRunner:
         self.backoff = Backoff(settings.reconnect.initial, settings.reconnect.maximum)
         self.connected = False
         self._reported_ready = False
+        self._conn: FramedConnection | None = None
 
     async def run(
         self,
@@ -66,8 +67,15 @@ class NodeRunner:
             await self.drain(connect_scope)
 
     async def drain(self, connect_scope: trio.CancelScope) -> None:
-        """Refuse new runs, let in-flight ones finish within the grace period, cancel the rest."""
+        """Tell the edge, refuse new runs, let in-flight ones finish within the grace period,
+        cancel the rest."""
         self.core.draining = True
+        if self._conn is not None:
+            with trio.move_on_after(1.0):
+                try:
+                    await self._conn.send(Drain(reason="node shutting down"))
+                except ConnectionClosed:
+                    pass  # the edge is gone already; nothing will be scheduled here anyway
         log.info(
             "draining", extra={"active_runs": self.core.active_runs, "grace": self.settings.shutdown_grace}
         )
@@ -120,8 +128,12 @@ class NodeRunner:
             if not self._reported_ready:
                 self._reported_ready = True
                 task_status.started(self.settings.edge)
+            self._conn = conn
+            if self.core.draining:
+                await conn.send(Drain(reason="node shutting down"))
             await serve_peer(conn, self.core.handler(conn), heartbeat_interval=heartbeat)
         finally:
+            self._conn = None
             await conn.flush_and_close()
 
     async def _register(self, conn: FramedConnection) -> RegisterResponse:

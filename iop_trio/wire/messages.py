@@ -111,6 +111,14 @@ class Heartbeat:
 
 
 @frozen
+class Drain:
+    """node -> edge: this node is shutting down; schedule nothing new to it. Its in-flight runs
+    continue until they end or the node's grace period runs out."""
+
+    reason: str = ""
+
+
+@frozen
 class Error:
     """A protocol-level error (bad frame, unknown type, unknown run)."""
 
@@ -126,6 +134,7 @@ Message = (
     | RunEvent
     | CancelRequest
     | Heartbeat
+    | Drain
     | Error
 )
 
@@ -137,6 +146,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "run.event": RunEvent,
     "cancel.request": CancelRequest,
     "heartbeat": Heartbeat,
+    "node.drain": Drain,
     "error": Error,
 }
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import trio
@@ -76,7 +77,7 @@ class _Generation:
             self.recorder.record_disconnect("queued", 0)
             raise
 
-    async def words(self) -> AsyncIterator[str]:
+    async def words(self) -> AsyncGenerator[str, None]:
         phase = "before_first_token"
         self.recorder.streaming.set()
         try:
@@ -155,11 +156,12 @@ def openai_app(behaviour: Behaviour, recorder: Recorder) -> QuartTrio:
 
         async def sse() -> AsyncIterator[bytes]:
             envelope = {"id": ident, "object": kind + (".chunk" if chat else ""), "created": created, "model": model}
-            async for word in gen.words():
-                if behaviour.malformed_after is not None and gen.sent >= behaviour.malformed_after:
-                    yield b"data: {not json\n\n"
-                    return
-                yield _sse({**envelope, "choices": [choice(word, None)]})
+            async with aclosing(gen.words()) as words:
+                async for word in words:
+                    if behaviour.malformed_after is not None and gen.sent >= behaviour.malformed_after:
+                        yield b"data: {not json\n\n"
+                        return
+                    yield _sse({**envelope, "choices": [choice(word, None)]})
             yield _sse({**envelope, "choices": [choice(None, gen.finish_reason)]})
             if include_usage:
                 yield _sse({**envelope, "choices": [], "usage": usage})
@@ -211,11 +213,12 @@ def ollama_app(behaviour: Behaviour, recorder: Recorder) -> QuartTrio:
             return Response(line({**piece(text), **final}), content_type="application/json")
 
         async def ndjson() -> AsyncIterator[bytes]:
-            async for word in gen.words():
-                if behaviour.malformed_after is not None and gen.sent >= behaviour.malformed_after:
-                    yield b"{not json\n"
-                    return
-                yield line({**piece(word), "done": False})
+            async with aclosing(gen.words()) as words:
+                async for word in words:
+                    if behaviour.malformed_after is not None and gen.sent >= behaviour.malformed_after:
+                        yield b"{not json\n"
+                        return
+                    yield line({**piece(word), "done": False})
             yield line({**piece(""), **final})
 
         return Response(ndjson(), content_type="application/x-ndjson")

@@ -17,6 +17,7 @@ from iop_trio.wire import (
     ChatMessage,
     Error,
     FrameTooLargeError,
+    Drain,
     Heartbeat,
     JsonCodec,
     LocalProtocolError,
@@ -175,6 +176,7 @@ EXAMPLES: list[Any] = [
     pytest.param(CancelRequest(run_id="r1"), id="cancel.request-min"),
     pytest.param(CancelRequest(run_id="r1", reason="client disconnected"), id="cancel.request"),
     pytest.param(Heartbeat(), id="heartbeat-default"),
+    pytest.param(Drain(reason="SIGTERM"), id="drain"),
     pytest.param(Heartbeat(seq=2**40), id="heartbeat-big"),
     pytest.param(Error(code="unknown_run", message="no such run"), id="error-min"),
     pytest.param(Error(code="bad_frame", message="", run_id="r9"), id="error-run-id"),
@@ -207,6 +209,7 @@ def test_message_type_names() -> None:
         "run.event": RunEvent,
         "cancel.request": CancelRequest,
         "heartbeat": Heartbeat,
+        "node.drain": Drain,
         "error": Error,
     }
 

@@ -25,6 +25,7 @@ from iop_trio.wire import (
     CancelRequest,
     ChatMessage,
     Error,
+    Drain,
     Heartbeat,
     JsonCodec,
     Message,
@@ -125,6 +126,7 @@ FIELDS[RunEvent] = {
 }
 FIELDS[CancelRequest] = {"run_id": TEXT, "reason": TEXT}
 FIELDS[Heartbeat] = {"seq": JSON_INTS}
+FIELDS[Drain] = {"reason": TEXT}
 FIELDS[Error] = {"code": TEXT, "message": TEXT, "run_id": optional(TEXT)}
 
 MESSAGE_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
