@@ -73,7 +73,8 @@ run_deadline: 0
     assert edge.http == HttpConfig(listen="0.0.0.0:9000", graceful_timeout=5.0)
     assert isinstance(edge.http.graceful_timeout, float)
     assert edge.tls == TlsConfig(enabled=False)
-    assert edge.api_keys == ("k1", "k2")
+    assert tuple(key.key for key in edge.api_keys) == ("k1", "k2")  # plain strings: keys without limits
+    assert all(key.requests_per_minute == 0 and not key.models for key in edge.api_keys)
     assert edge.nodes.max_concurrency == 8
     assert edge.nodes.heartbeat_interval == 30.0  # untouched default
     assert edge.run_deadline == 0.0
