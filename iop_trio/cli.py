@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
         role_parser = commands.add_parser(role, help=f"run the {role} role")
         role_parser.add_argument("--config", required=True)
 
+    nodes = commands.add_parser("nodes", help="list the nodes connected to an edge (admin API)")
+    nodes.add_argument("--config", help="the edge's config: its HTTP address and admin_key")
+    nodes.add_argument("--url", help="the edge's HTTP URL (instead of --config)")
+    nodes.add_argument("--admin-key", default=os.environ.get("IOP_ADMIN_KEY", ""), help="or IOP_ADMIN_KEY")
+
     runs = commands.add_parser("runs", help="show run history")
     runs.add_argument("--db", required=True)
     runs.add_argument("--status", choices=("running", *FINAL_STATUSES))
@@ -155,6 +160,33 @@ def _runs(args: argparse.Namespace) -> None:
         )
 
 
+def _nodes(args: argparse.Namespace) -> None:
+    import httpx
+
+    url, admin_key = args.url, args.admin_key
+    if args.config:
+        config = load_config(args.config, EdgeConfig)
+        url = url or f"http://{config.http.listen}"
+        admin_key = admin_key or config.admin_key
+    if not url:
+        raise ConfigError("nodes: give --config or --url")
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/admin/nodes", headers={"Authorization": f"Bearer {admin_key}"})
+    except httpx.TransportError as exc:
+        raise ConfigError(f"nodes: cannot reach the edge at {url}: {exc}") from exc
+    if response.status_code != 200:
+        raise ConfigError(f"nodes: {response.status_code}: {response.json()['error']['message']}")
+    columns = ("node_id", "state", "outstanding", "max_concurrency", "heartbeat_age_s", "models", "labels", "queued")
+    print("  ".join(columns))
+    for node in response.json()["data"]:
+        labels = ",".join(f"{k}={v}" for k, v in node["labels"].items()) or "-"
+        queued = ",".join(f"{m}={n}" for m, n in node["queued"].items()) or "-"
+        print(
+            f"{node['node_id']}  {node['state']}  {node['outstanding']}  {node['max_concurrency']}  "
+            f"{node['last_heartbeat_age_s']}  {','.join(node['models'])}  {labels}  {queued}"
+        )
+
+
 def _certs(args: argparse.Namespace) -> None:
     kwargs = {"hosts": args.hosts} if args.hosts else {}
     for path in init_certs(args.dir, nodes=args.nodes or ["node"], **kwargs):
@@ -171,7 +203,15 @@ def _setup_logging(level: str) -> None:
     setup_logging(level)
 
 
-COMMANDS = {"up": _up, "edge": _edge, "node": _node, "tokens": _tokens, "runs": _runs, "certs": _certs}
+COMMANDS = {
+    "up": _up,
+    "edge": _edge,
+    "node": _node,
+    "tokens": _tokens,
+    "runs": _runs,
+    "certs": _certs,
+    "nodes": _nodes,
+}
 
 
 def _report(group: BaseExceptionGroup[Exception]) -> None:
