@@ -128,13 +128,15 @@ class NodeCore:
                 # Cancelled from outside the run's own scope: the connection ended or the node is
                 # shutting down. There is nobody to tell, but the row must still say so.
                 outcome = tracker.outcome("cancelled", error="connection to edge lost")
-            del self._runs[request.run_id]
-            if not self._runs:
-                self._idle.set()
             with trio.CancelScope(shield=True):
                 await self.store.end_run(request.run_id, outcome)
                 if not connection_lost:
                     await self._send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
+            # Only now is the run over: a drain waiting for idleness must find its last event
+            # already queued on the connection.
+            del self._runs[request.run_id]
+            if not self._runs:
+                self._idle.set()
             log.info(
                 "run ended",
                 extra={

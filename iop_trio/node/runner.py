@@ -83,6 +83,9 @@ class NodeRunner:
             await self.core.wait_idle()
         self.core.cancel_all()
         await self.core.wait_idle()
+        if self._conn is not None:
+            # The runs' last events may still be queued: flush them before hanging up.
+            await self._conn.flush_and_close()
         connect_scope.cancel()
 
     async def _connect_loop(self, task_status: trio.TaskStatus[str]) -> None:
@@ -93,7 +96,8 @@ class NodeRunner:
                 raise
             except* (ConnectionClosed, HandshakeFailed, HeartbeatTimeout, RemoteProtocolError, trio.TooSlowError) as group:
                 reasons = "; ".join(str(exc) for exc in group.exceptions)
-                log.warning("connection to edge ended", extra={"edge": self.settings.edge, "reason": reasons})
+                if not self.core.draining:  # while draining, we are the ones hanging up
+                    log.warning("connection to edge ended", extra={"edge": self.settings.edge, "reason": reasons})
             self.connected = False
             if self.core.draining:
                 return  # shutting down: the edge went first, nothing left to reconnect for

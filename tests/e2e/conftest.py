@@ -81,7 +81,7 @@ class Process:
 class Cluster:
     """An edge and its nodes, all real processes, in a private working directory."""
 
-    def __init__(self, workdir: Path, api_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, api_keys: tuple[str, ...] = (), edge_extra: dict[str, Any] | None = None) -> None:
         self.workdir = workdir
         self.processes: list[Process] = []
         subprocess.run(
@@ -95,6 +95,7 @@ class Cluster:
             "data_dir": "data/edge",
             "api_keys": list(api_keys),
             "cancel_timeout": 2,
+            **(edge_extra or {}),
         })
         self.edge: Process | None = None
         self._clients: list[openai.OpenAI] = []
