@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     listing = token_commands.add_parser("list", help="list tokens (ids only, never secrets)")
     listing.add_argument("--config", required=True)
 
-    for role in ("edge", "node"):
+    for role in ("edge", "node", "worker"):
         role_parser = commands.add_parser(role, help=f"run the {role} role")
         role_parser.add_argument("--config", required=True)
 
@@ -78,7 +78,10 @@ def _edge(args: argparse.Namespace) -> None:
             addresses = await nursery.start(run_edge, config, shutdown)
             print_ready(**addresses)
 
-    trio.run(run_with_signals, role)
+    try:
+        trio.run(run_with_signals, role)
+    except* (ConfigError, TlsConfigError) as group:
+        raise ConfigError("; ".join(_in_file(args.config, exc) for exc in _leaves(group))) from None
 
 
 def _node(args: argparse.Namespace) -> None:
@@ -86,17 +89,35 @@ def _node(args: argparse.Namespace) -> None:
 
     settings = load_config(args.config, NodeSettings)
     _setup_logging(settings.log_level)
-    runner = build_node(settings, args.config)
+    try:
+        runner = build_node(settings, args.config)
+    except (ConfigError, TlsConfigError) as exc:
+        raise ConfigError(_in_file(args.config, exc)) from exc
 
     async def role(shutdown: Shutdown) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 edge = await nursery.start(runner.run, shutdown)
-                print_ready(node=settings.node_id, edge=edge)
+                if edge:  # empty: shut down before it ever registered
+                    print_ready(node=settings.node_id, edge=edge)
         finally:
             with trio.CancelScope(shield=True):
                 await runner.router.aclose()
             runner.store.close()
+
+    trio.run(run_with_signals, role)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from .config import WorkerConfig
+    from .worker import run_worker
+
+    config = load_config(args.config, WorkerConfig)
+    _setup_logging(config.log_level)
+
+    async def role(shutdown: Shutdown) -> None:
+        async with trio.open_nursery() as nursery:
+            print_ready(**await nursery.start(run_worker, config, shutdown))
 
     trio.run(run_with_signals, role)
 
@@ -121,6 +142,7 @@ def _tokens(args: argparse.Namespace) -> None:
             issued = store.create(args.node)
             if args.out:
                 fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.fchmod(fd, 0o600)  # O_CREAT's mode only applies to a new file
                 with os.fdopen(fd, "w") as handle:
                     handle.write(issued.token + "\n")
             print(issued.token)
@@ -140,7 +162,7 @@ def _tokens(args: argparse.Namespace) -> None:
 def _runs(args: argparse.Namespace) -> None:
     if not Path(args.db).is_file():
         raise ConfigError(f"--db: no such database: {args.db}")
-    store = RunStore(args.db)
+    store = RunStore(args.db, owner=False)
     try:
         rows = store.list_runs(args.status, args.limit)
     finally:
@@ -207,6 +229,7 @@ COMMANDS = {
     "up": _up,
     "edge": _edge,
     "node": _node,
+    "worker": _worker,
     "tokens": _tokens,
     "runs": _runs,
     "certs": _certs,
@@ -214,15 +237,23 @@ COMMANDS = {
 }
 
 
+def _in_file(path: str, exc: BaseException) -> str:
+    text = str(exc)
+    return text if text.startswith(str(path)) else f"{path}: {text}"
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    """The exceptions inside ``group``, however deeply the nurseries nested them."""
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for exc in group.exceptions for leaf in _leaves(exc)]
+    return [group]
+
+
 def _report(group: BaseExceptionGroup[Exception]) -> None:
-    """Print each operator-facing error once, however deeply the nurseries nested it."""
+    """Print each operator-facing error once."""
     seen = set()
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(reversed(exc.exceptions))
-        elif str(exc) not in seen:
+    for exc in _leaves(group):
+        if str(exc) not in seen:
             seen.add(str(exc))
             print(f"iop-trio: error: {exc}", file=sys.stderr)
 
@@ -238,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except* KeyboardInterrupt:
         code = 130
     except* RegistrationRefused as group:
+        _report(group)
+        code = 1
+    except* OSError as group:  # e.g. an address already in use
         _report(group)
         code = 1
     return code

@@ -13,13 +13,16 @@ from typing import Any, TypeVar
 import cattrs
 import yaml
 from attrs import define, field, frozen
-from attrs.validators import ge, gt, min_len
+from attrs.validators import ge, gt, in_, min_len
 
 from .transport.tls import TlsConfig
 from .wire.converter import describe_error, make_strict_converter
 from .wire.framing import DEFAULT_MAX_FRAME_SIZE
 
 T = TypeVar("T")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
@@ -29,8 +32,8 @@ class ConfigError(ValueError):
 @frozen
 class HttpConfig:
     listen: str = "127.0.0.1:8080"
-    #: Largest accepted request body, in bytes.
-    max_body_size: int = 16 * 1024 * 1024
+    #: Largest accepted request body, in bytes (below the IOP frame limit, which must carry it).
+    max_body_size: int = field(default=8 * 1024 * 1024, validator=gt(0))
     #: Seconds in-flight HTTP requests get to finish on shutdown.
     graceful_timeout: float = 30.0
 
@@ -103,7 +106,7 @@ class RetryConfig:
 class EdgeConfig:
     http: HttpConfig = HttpConfig()
     iop: IopListenConfig = IopListenConfig()
-    tls: TlsConfig = TlsConfig()
+    tls: TlsConfig = TlsConfig(cert="certs/edge.crt", key="certs/edge.key", ca="certs/ca.crt")
     data_dir: str = "iop-data/edge"
     #: Bearer keys accepted by the HTTP API; empty means no authentication.
     api_keys: tuple[ApiKeyConfig, ...] = ()
@@ -117,7 +120,7 @@ class EdgeConfig:
     cancel_timeout: float = 5.0
     #: Default deadline for a run, in seconds (0 = none).
     run_deadline: float = 600.0
-    log_level: str = "info"
+    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
 
     @property
     def database(self) -> Path:
@@ -150,7 +153,7 @@ class NodeSettings:
     server_name: str = ""
     token: str = ""
     token_file: str = ""
-    tls: TlsConfig = TlsConfig(cert="certs/node.crt", key="certs/node.key")
+    tls: TlsConfig = TlsConfig(cert="certs/node.crt", key="certs/node.key", ca="certs/ca.crt")
     data_dir: str = "iop-data/node"
     capacity: int = 16
     labels: dict[str, str] = field(factory=dict)
@@ -162,7 +165,7 @@ class NodeSettings:
     reconnect: ReconnectConfig = ReconnectConfig()
     #: Seconds in-flight runs get to finish after SIGTERM before they are cancelled.
     shutdown_grace: float = 30.0
-    log_level: str = "info"
+    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
 
     @property
     def database(self) -> Path:
@@ -217,3 +220,31 @@ def parse_host_port(value: str, what: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@frozen
+class WorkerConfig:
+    """``iop-trio worker``: runs Batch API jobs through the edge, sharing the edge's store."""
+
+    #: The edge's HTTP API; every batch line is sent there like any client request.
+    edge_url: str = "http://127.0.0.1:8080"
+    #: Bearer key for the edge's API (one of its ``api_keys``); empty = send none.
+    api_key: str = ""
+    #: The edge's ``data_dir``: the worker shares its ``edge.db`` and ``files/``.
+    data_dir: str = "iop-data/edge"
+    #: Lines in flight at once, across all batches.
+    concurrency: int = field(default=16, validator=ge(1))
+    #: ``X-IOP-Priority`` of batch lines; interactive requests have 0 and higher is served first.
+    priority: int = -10
+    #: Seconds between looks for new work, cancelled batches and expired completion windows.
+    poll_interval: float = field(default=1.0, validator=gt(0))
+    #: Seconds a line's lease lasts without renewal; renewed every third of it.
+    lease_ttl: float = field(default=30.0, validator=gt(0))
+    #: Seconds one line's request may take before the line is recorded as failed.
+    request_timeout: float = field(default=600.0, validator=gt(0))
+    #: Backoff between retries of a line the edge answered 429/503 or could not be reached for.
+    retry_initial: float = field(default=0.5, validator=gt(0))
+    retry_maximum: float = field(default=10.0, validator=gt(0))
+    #: On SIGINT/SIGTERM: seconds in-flight lines may finish before they are cancelled.
+    shutdown_grace: float = field(default=30.0, validator=ge(0))
+    log_level: str = field(default="info", validator=in_(LOG_LEVELS))

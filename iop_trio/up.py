@@ -1,4 +1,5 @@
-"""``iop-trio up``: the embedded default. Edge + N mock nodes in one process tree, mTLS on.
+"""``iop-trio up``: the embedded default. Edge + N mock nodes + a batch worker in one process
+tree, mTLS on.
 
 Certificates are generated fresh in a temporary directory and removed on exit; run history is
 kept under ``--data-dir``. Shutdown order: the edge drains its HTTP requests first, then the nodes
@@ -13,12 +14,13 @@ from pathlib import Path
 import trio
 
 from .certs import init_certs
-from .config import EdgeConfig, HttpConfig, IopListenConfig, ModelConfig, NodeSettings
+from .config import EdgeConfig, HttpConfig, IopListenConfig, ModelConfig, NodeSettings, WorkerConfig
 from .edge.server import run_edge
 from .edge.state import EdgeState
 from .node.runner import build_node
 from .roles import Shutdown, print_ready
 from .transport import TlsConfig
+from .worker import run_worker
 
 MOCK_MODELS = (
     ModelConfig(name="mock", adapter="mock", options={"tokens": 16, "ttft": 0.05, "token_delay": 0.02}),
@@ -61,6 +63,9 @@ async def run_up(http: str, nodes: int, data_dir: Path, shutdown: Shutdown) -> N
                         shutdown_grace=5.0,
                     )
                     await nursery.start(build_node(settings, "iop-trio up").run, edge_stopped.wait)
+                # Batch jobs: drains on the same signal as the edge, well within its grace period.
+                worker = WorkerConfig(edge_url=addresses["http"], data_dir=edge_config.data_dir, shutdown_grace=5.0)
+                await nursery.start(run_worker, worker, shutdown)
                 print_ready(http=addresses["http"], iop=addresses["iop"])
                 print_tour(addresses["http"], nodes, data_dir)
         finally:

@@ -34,6 +34,10 @@ class RunInbox:
         self._failure: RunLost | None = None
         #: True once the terminal event (complete or error) has arrived.
         self.ended = False
+        #: True once the edge gave up on the run and asked the node to cancel it.
+        self.abandoned = False
+        #: True when the request could not be sent: the node never knew about this run.
+        self.never_sent = False
 
     def put(self, event: RunEvent) -> None:
         if self.ended:

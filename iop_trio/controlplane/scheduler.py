@@ -99,6 +99,10 @@ class Scheduler:
     ) -> Grant:
         """A node with a slot reserved for ``run_id``; waits in the model's queue when all are full."""
         self.check_servable(model, exclude)
+        if not self.waiting(model):
+            session = least_loaded(self.candidates(model, exclude))
+            if session is not None:  # a free slot and nobody ahead: no queueing at all
+                return Grant(session, session.reserve(run_id))
         if self.waiting(model) >= self.queue.max_waiting:
             raise NoNodeAvailable(
                 429, "queue_full", f"every node serving `{model}` is busy and its queue is full", retry_after=1
@@ -138,20 +142,25 @@ class Scheduler:
                 self._dispatch(model)
 
     def _dispatch(self, model: str) -> None:
+        """Hand free slots to waiters in priority order. A waiter that cannot use any free node
+        (a retry excluding the nodes that failed it) is skipped, not allowed to block the rest."""
         queue = self._queues.get(model)
-        while queue:
-            waiter = queue[0][2]
+        skipped: list[tuple[int, int, Waiter]] = []
+        while queue and any(s.has_capacity for s in self.candidates(model)):
+            item = heapq.heappop(queue)
+            waiter = item[2]
             if waiter.abandoned:
-                heapq.heappop(queue)
                 continue
             session = least_loaded(self.candidates(model, waiter.exclude))
             if session is None:
-                return
-            heapq.heappop(queue)
+                skipped.append(item)
+                continue
             self._waiting[model] -= 1
             waiter.session = session
             waiter.inbox = session.reserve(waiter.run_id)
             waiter.granted.set()
+        for item in skipped:
+            heapq.heappush(queue, item)  # type: ignore[arg-type]
 
 
 def least_loaded(candidates: list[NodeSession]) -> NodeSession | None:

@@ -14,6 +14,7 @@ from ..wire import (
     Drain,
     Error,
     Heartbeat,
+    LocalProtocolError,
     Message,
     NodeConfig,
     RegisterRequest,
@@ -75,8 +76,11 @@ class NodeSession:
         if isinstance(message, RunEvent):
             inbox = self.runs.get(message.run_id)
             if inbox is not None:
-                inbox.put(message)
-            # Events for a run the edge already gave up on are expected after a cancel: dropped.
+                if inbox.abandoned:
+                    if message.is_terminal:  # the node confirms the cancelled run is over
+                        self._release(message.run_id)
+                else:
+                    inbox.put(message)
         elif isinstance(message, Heartbeat):
             pass
         elif isinstance(message, Drain):
@@ -84,7 +88,9 @@ class NodeSession:
             log.info("node draining", extra={"node_id": self.node_id, "reason": message.reason})
         elif isinstance(message, Error):
             inbox = self.runs.get(message.run_id or "")
-            if inbox is not None:
+            if inbox is not None and inbox.abandoned:
+                self._release(message.run_id or "")
+            elif inbox is not None:
                 inbox.fail(message.code, message.message)
             else:
                 log.warning(
@@ -119,16 +125,23 @@ class NodeSession:
             await self.conn.send(request)
         except ConnectionClosed as exc:
             self.runs[request.run_id].fail("node_lost", f"node {self.node_id} was lost: {exc}")
+        except LocalProtocolError as exc:
+            inbox = self.runs[request.run_id]
+            inbox.fail("request_too_large", f"the request does not fit in one frame: {exc}")
+            inbox.never_sent = True
 
     async def finish_run(self, run_id: str, cancel_timeout: float) -> bool:
-        """Free the run's slot; if it had not ended, tell the node to cancel it (shielded,
-        bounded). Returns True when a cancel was sent."""
-        inbox = self.runs.pop(run_id, None)
+        """The edge is done with the run. If it had not ended, tell the node to cancel it
+        (shielded, bounded) and keep its slot taken until the node confirms the end: the node
+        counts the run until then, and a slot handed out early would be refused as busy.
+        Returns True when a cancel was sent."""
+        inbox = self.runs.get(run_id)
         if inbox is None:
             return False
-        self.on_release(self)
-        if inbox.ended or self.closed:
+        if inbox.ended or inbox.never_sent or self.closed:
+            self._release(run_id)  # nothing runs on the node for it: the slot is free now
             return False
+        inbox.abandoned = True
         with trio.CancelScope(shield=True), trio.move_on_after(cancel_timeout):
             try:
                 await self.conn.send(CancelRequest(run_id=run_id, reason="client went away"))
@@ -136,3 +149,7 @@ class NodeSession:
             except ConnectionClosed:
                 pass  # the node is gone, and its runs with it
         return False
+
+    def _release(self, run_id: str) -> None:
+        if self.runs.pop(run_id, None) is not None:
+            self.on_release(self)

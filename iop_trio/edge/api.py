@@ -20,6 +20,7 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from ..controlplane import KeyLimits, NoNodeAvailable, RateLimited
+from .batch_api import batch_blueprint
 from .errors import ApiError, error_body
 from .openai_format import SSE_DONE, ResponseShaper, sse
 from .openai_requests import ParsedRequest, parse_chat, parse_completion, parse_json_object
@@ -45,6 +46,7 @@ def error_response(error: ApiError) -> Response:
 def create_app(state: EdgeState) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = state.config.http.max_body_size
+    app.register_blueprint(batch_blueprint(state.config))  # Files and Batch API (worker runs them)
     metrics = state.metrics
 
     def route_label() -> str:

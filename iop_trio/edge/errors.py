@@ -8,6 +8,7 @@ from typing import Any
 RUN_ERROR_STATUS = {
     "model_not_found": 404,
     "invalid_request": 400,
+    "request_too_large": 413,
     "node_busy": 429,
     "backend_busy": 429,
     "backend_unavailable": 502,

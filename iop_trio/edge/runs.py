@@ -18,7 +18,7 @@ import secrets
 
 import trio
 
-from ..controlplane import KeyLimits, NodeSession, RunInbox, RunLost
+from ..controlplane import KeyLimits, NodeSession, NoNodeAvailable, RunInbox, RunLost
 from ..store import RunOutcome
 from ..wire import RunEvent, RunRequest, Usage
 from .errors import run_error
@@ -68,6 +68,10 @@ class EdgeRun:
         state.run_started()
         try:
             await run._attempt()
+        except NoNodeAvailable:
+            run._status = "rejected"  # never reached a node: not a cancelled run
+            await run.close()
+            raise
         except BaseException:
             await run.close()
             raise
@@ -143,7 +147,11 @@ class EdgeRun:
         )
         self.state.metrics.retries.inc()
         await self._end_attempt(RunOutcome("error", error=f"retried elsewhere: {message}"))
-        await self._attempt()
+        try:
+            await self._attempt()
+        except NoNodeAvailable as exc:
+            log.info("retry found no node", extra={"request_id": self.id, "reason": exc.message})
+            return False  # the client hears about the original failure
         return True
 
     def final_usage(self) -> Usage:
@@ -165,8 +173,9 @@ class EdgeRun:
             usage = self.final_usage()
             ttft = None if self.first_token_at is None else (self.first_token_at - self.started_at) * 1000
             error = self._error or ("client went away" if self._status == "cancelled" else None)
-            outcome = RunOutcome(self._status, usage.prompt_tokens, usage.completion_tokens, ttft, error)  # type: ignore[arg-type]
-            await self._end_attempt(outcome)
+            if self.session is not None:
+                outcome = RunOutcome(self._status, usage.prompt_tokens, usage.completion_tokens, ttft, error)  # type: ignore[arg-type]
+                await self._end_attempt(outcome)
             self.state.run_finished()
             self.state.metrics.runs.labels(status=self._status).inc()
             if self.limits is not None:

@@ -90,6 +90,11 @@ async def run_edge(
             with trio.move_on_after(FLUSH_AFTER_LAST_RUN):
                 await http_done.wait()
             http_scope.cancel()
+            # Hang up on the nodes properly (TLS close_notify), not by cancelling mid-stream.
+            with trio.move_on_after(FLUSH_AFTER_LAST_RUN):
+                async with trio.open_nursery() as closing:
+                    for session in state.registry.sessions():
+                        closing.start_soon(session.conn.flush_and_close)
             nursery.cancel_scope.cancel()
     finally:
         if owned:

@@ -54,6 +54,7 @@ class NodeCore:
         self.max_concurrency = max_concurrency
         self.draining = False
         self._runs: dict[str, trio.CancelScope] = {}
+        self._cancel_reasons: dict[str, str] = {}
         self._idle = trio.Event()
         self._idle.set()
 
@@ -65,16 +66,17 @@ class NodeCore:
         """Adopt the centrally managed settings from ``register.response``."""
         self.max_concurrency = config.max_concurrency
 
-    def cancel(self, run_id: str) -> bool:
+    def cancel(self, run_id: str, reason: str = "cancelled by client") -> bool:
         scope = self._runs.get(run_id)
         if scope is None:
             return False
+        self._cancel_reasons.setdefault(run_id, reason)
         scope.cancel()
         return True
 
-    def cancel_all(self) -> None:
-        for scope in self._runs.values():
-            scope.cancel()
+    def cancel_all(self, reason: str) -> None:
+        for run_id in list(self._runs):
+            self.cancel(run_id, reason)
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
@@ -121,7 +123,8 @@ class NodeCore:
             with scope:
                 outcome, code, finish_reason = await self._execute(route, spec, tracker, request.deadline)
             if outcome is None:
-                outcome = tracker.outcome("cancelled", error="cancelled by client")
+                reason = self._cancel_reasons.get(request.run_id, "cancelled by client")
+                outcome = tracker.outcome("cancelled", error=reason)
         finally:
             connection_lost = outcome is None
             if outcome is None:
@@ -135,6 +138,7 @@ class NodeCore:
             # Only now is the run over: a drain waiting for idleness must find its last event
             # already queued on the connection.
             del self._runs[request.run_id]
+            self._cancel_reasons.pop(request.run_id, None)
             if not self._runs:
                 self._idle.set()
             log.info(

@@ -35,8 +35,16 @@ from .router import Router
 log = logging.getLogger("iop_trio.node")
 
 
+Connect = Callable[[], Awaitable[trio.abc.Stream]]
+
+
 class NodeRunner:
-    def __init__(self, settings: NodeSettings, router: Router, store: RunStore) -> None:
+    """``connect`` opens the stream to the edge; by default TCP + TLS to ``settings.edge``
+    (the deterministic cluster simulation passes memory streams instead)."""
+
+    def __init__(
+        self, settings: NodeSettings, router: Router, store: RunStore, connect: Connect | None = None
+    ) -> None:
         self.settings = settings
         self.router = router
         self.store = store
@@ -48,6 +56,7 @@ class NodeRunner:
         self.connected = False
         self._reported_ready = False
         self._conn: FramedConnection | None = None
+        self._connect: Connect = connect or self._dial
 
     async def run(
         self,
@@ -64,6 +73,9 @@ class NodeRunner:
 
             nursery.start_soon(connect)
             await shutdown()
+            if not self._reported_ready:
+                self._reported_ready = True
+                task_status.started("")  # stopped before it ever registered: nothing to report
             await self.drain(connect_scope)
 
     async def drain(self, connect_scope: trio.CancelScope) -> None:
@@ -81,7 +93,7 @@ class NodeRunner:
         )
         with trio.move_on_after(self.settings.shutdown_grace):
             await self.core.wait_idle()
-        self.core.cancel_all()
+        self.core.cancel_all("node shut down before the run finished")
         await self.core.wait_idle()
         if self._conn is not None:
             # The runs' last events may still be queued: flush them before hanging up.
@@ -110,13 +122,7 @@ class NodeRunner:
         # must not pay for a slow backend.
         with trio.move_on_after(self.settings.register_timeout):
             await self.router.discover()
-        stream = await dial(
-            self.host,
-            self.port,
-            ssl_context=self.ssl_context,
-            server_hostname=self.settings.server_name or None,
-            handshake_timeout=self.settings.handshake_timeout,
-        )
+        stream = await self._connect()
         conn = FramedConnection(stream, max_frame_size=self.settings.max_frame_size, peer=self.settings.edge)
         try:
             response = await self._register(conn)
@@ -140,6 +146,15 @@ class NodeRunner:
             self._conn = None
             await conn.flush_and_close()
 
+    async def _dial(self) -> trio.abc.Stream:
+        return await dial(
+            self.host,
+            self.port,
+            ssl_context=self.ssl_context,
+            server_hostname=self.settings.server_name or None,
+            handshake_timeout=self.settings.handshake_timeout,
+        )
+
     async def _register(self, conn: FramedConnection) -> RegisterResponse:
         request = RegisterRequest(
             token=self.token,
@@ -154,7 +169,9 @@ class NodeRunner:
             await conn.send_now(request)
             response = await conn.receive()
         if isinstance(response, Error):
-            raise RegistrationRefused(f"edge refused registration: {response.code}: {response.message}")
+            # A protocol-level complaint (too slow, malformed, ...): worth another attempt. Only an
+            # explicit refusal (accepted=false: bad or revoked token) is final.
+            raise RemoteProtocolError(f"edge answered registration with {response.code}: {response.message}")
         if not isinstance(response, RegisterResponse):
             raise RemoteProtocolError(f"expected register.response, got {type(response).__name__}")
         if not response.accepted:
@@ -162,12 +179,14 @@ class NodeRunner:
         return response
 
 
-def build_node(settings: NodeSettings, source: str) -> NodeRunner:
+def build_node(
+    settings: NodeSettings, source: str, *, connect: Connect | None = None, in_thread: bool = True
+) -> NodeRunner:
     """Everything a node needs, validated before any socket is opened."""
     if not settings.models and not any(block.get("advertise_all") for block in settings.adapters.values()):
         raise ConfigError(
             f"{source}: models: a node must serve at least one model (or set advertise_all on an adapter)"
         )
     router = Router.from_settings(settings, source)
-    store = RunStore(settings.database)
-    return NodeRunner(settings, router, store)
+    store = RunStore(settings.database, in_thread=in_thread)
+    return NodeRunner(settings, router, store, connect)

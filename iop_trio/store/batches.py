@@ -145,6 +145,8 @@ class OpenBatch:
     id: str
     status: str
     ending: Ending | None
+    endpoint: str
+    input_file_id: str
     expires_at: float
     #: Lines without a result.
     pending: int
@@ -384,7 +386,7 @@ class BatchStore:
         """Every batch not finished yet, oldest first, with its pending and claimable lines."""
         rows = await self.db.call(
             lambda conn: conn.execute(
-                "SELECT b.id, b.status, b.ending, b.expires_at, "
+                "SELECT b.id, b.status, b.ending, b.endpoint, b.input_file_id, b.expires_at, "
                 "(SELECT count(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = 'pending'), "
                 "(SELECT count(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = 'pending' "
                 " AND (l.lease_expires_at IS NULL OR l.lease_expires_at <= ?)) "

@@ -41,8 +41,12 @@ class RunOutcome:
 
 
 class RunStore:
-    def __init__(self, path: str | Path, *, in_thread: bool = True) -> None:
+    def __init__(self, path: str | Path, *, in_thread: bool = True, owner: bool = True) -> None:
+        """``owner``: this process writes the history (a node or edge). Only the owner may close
+        runs a previous process left open; a reader (``iop-trio runs``) must not touch them."""
         self.db = Database(path, SCHEMA, in_thread=in_thread)
+        if not owner:
+            return
         # Runs a previous process left open cannot finish any more: end them, exactly once.
         self.db.call_sync(
             lambda conn: conn.execute(

@@ -14,10 +14,13 @@ from attrs import frozen
 
 @frozen
 class TlsConfig:
+    """Each role's config provides its own defaults (the edge's or the node's files); a ``tls:``
+    block given in YAML must name all three files, so no role silently uses another's."""
+
     enabled: bool = True
-    cert: str = "certs/edge.crt"
-    key: str = "certs/edge.key"
-    ca: str = "certs/ca.crt"
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
 
 
 class TlsConfigError(ValueError):
@@ -26,6 +29,8 @@ class TlsConfigError(ValueError):
 
 def _load(context: ssl.SSLContext, tls: TlsConfig) -> ssl.SSLContext:
     for label, path in (("cert", tls.cert), ("key", tls.key), ("ca", tls.ca)):
+        if not path:
+            raise TlsConfigError(f"tls.{label}: required when tls.enabled is true")
         if not Path(path).is_file():
             raise TlsConfigError(f"tls.{label}: file not found: {path}")
     try:

@@ -6,6 +6,7 @@ extra keys ignored). Here a field of the wrong type or an unknown key is an erro
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +15,12 @@ import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
 
 
-def _strict_scalar(expected: type, check: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Any:
+def _strict_scalar(expected: type | str, check: Callable[[Any], bool], convert: Callable[[Any], Any]) -> Any:
+    name = expected if isinstance(expected, str) else expected.__name__
+
     def hook(value: Any, _type: Any) -> Any:
         if not check(value):
-            raise TypeError(f"expected {expected.__name__}, got {type(value).__name__}")
+            raise TypeError(f"expected {name}, got {value!r}" if isinstance(value, float) else f"expected {name}, got {type(value).__name__}")
         return convert(value)
 
     return hook
@@ -46,8 +49,8 @@ def make_strict_converter() -> cattrs.Converter:
     converter.register_structure_hook(
         float,
         _strict_scalar(
-            float,
-            lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+            "a finite number",
+            lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
             float,
         ),
     )
