@@ -89,7 +89,10 @@ def create_app(state: EdgeState) -> QuartTrio:
     @app.errorhandler(413)
     async def too_large(_error: Exception) -> Response:
         limit = state.config.http.max_body_size
-        return json_response(error_body(f"Request body exceeds the limit of {limit} bytes."), 413)
+        # Connection: close: the unread body is still on the wire, and hypercorn would otherwise
+        # keep the connection waiting for it (the next request on it would hang).
+        body = error_body(f"Request body exceeds the limit of {limit} bytes.")
+        return json_response(body, 413, {"Connection": "close"})
 
     @app.get("/healthz")
     async def healthz() -> Response:

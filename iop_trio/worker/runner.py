@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from ..config import WorkerConfig
+from ..config import ConfigError, WorkerConfig
 from ..store.batches import BatchStore
 from .edge_client import EdgeClient, edge_http_client
 from .worker import Worker
@@ -18,6 +18,9 @@ async def run_worker(
     task_status: trio.TaskStatus[dict[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Work until ``shutdown`` returns, then drain; reports ``{"worker": id, "edge": url}``."""
+    if not await (trio.Path(config.data_dir) / "edge.db").is_file():
+        # Opening it would create an empty store that no edge ever writes to: a silent no-op.
+        raise ConfigError(f"data_dir: no edge database in {config.data_dir} (use the edge's data_dir; start the edge first)")
     store = BatchStore.for_data_dir(config.data_dir)
     try:
         async with edge_http_client(

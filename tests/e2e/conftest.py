@@ -89,7 +89,7 @@ class Cluster:
             cwd=workdir, check=True, capture_output=True,
         )
         self.edge_config = self.write_config("edge.yaml", {
-            "http": {"listen": "127.0.0.1:0", "graceful_timeout": 5},
+            "http": {"listen": "127.0.0.1:0", "graceful_timeout": 5, "max_body_size": 1 << 20},
             "iop": {"listen": "127.0.0.1:0", "register_timeout": 5, "handshake_timeout": 5},
             "tls": {"enabled": True, "cert": "certs/edge.crt", "key": "certs/edge.key", "ca": "certs/ca.crt"},
             "data_dir": "data/edge",

@@ -221,3 +221,12 @@ def test_a_non_streaming_client_that_gives_up_cancels_the_run(cluster: Cluster) 
         time.sleep(0.05)
     assert len(cancelled) == before + 1
     assert cancelled[-1]["completion_tokens"] < 400
+
+
+def test_an_oversized_body_is_413_and_the_connection_stays_usable(client: openai.OpenAI) -> None:
+    huge = "word " * 300_000  # 1.5 MB, over the cluster's 1 MiB http.max_body_size
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="mock", messages=[{"role": "user", "content": huge}])
+    assert refused.value.status_code == 413
+    assert "exceeds the limit" in refused.value.message
+    assert client.chat.completions.create(model="mock", messages=MESSAGES).choices[0].message.content

@@ -21,8 +21,15 @@ import trio
 import trio.testing
 from attrs import define, field
 
-from iop_trio.config import EdgeConfig, ModelConfig, NodeDefaults, NodeSettings, QueueConfig, RetryConfig
-from iop_trio.controlplane import NoNodeAvailable, NodeSession
+from iop_trio.config import (
+    EdgeConfig,
+    ModelConfig,
+    NodeDefaults,
+    NodeSettings,
+    QueueConfig,
+    RetryConfig,
+)
+from iop_trio.controlplane import NodeSession, NoNodeAvailable
 from iop_trio.edge.errors import ApiError
 from iop_trio.edge.iop import NodeAcceptor
 from iop_trio.edge.openai_requests import ParsedRequest
@@ -274,8 +281,8 @@ class Simulation:
             for node in self.nodes:
                 node.stop.set()
             with trio.move_on_after(30):
-                while any(n.runner and n.runner.connected for n in self.nodes):
-                    await trio.sleep(0.5)
+                for node in self.nodes:
+                    await node.exited.wait()
             edge_nursery.cancel_scope.cancel()
 
     async def fault(self, at: float, node: SimNode) -> None:

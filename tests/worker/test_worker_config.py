@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trio
 
 from iop_trio.config import ConfigError, EdgeConfig, WorkerConfig, load_config
+from iop_trio.worker import run_worker
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -41,3 +43,10 @@ def test_a_bad_key_or_value_names_the_file(tmp_path: Path, text: str, message: s
     with pytest.raises(ConfigError, match="worker.yaml") as info:
         load_config(path, WorkerConfig)
     assert message in str(info.value)
+
+
+async def test_a_worker_refuses_a_data_dir_without_an_edge_database(tmp_path: Path) -> None:
+    config = WorkerConfig(data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="no edge database"):
+        await run_worker(config, trio.sleep_forever)
+    assert not (tmp_path / "nowhere").exists()
