@@ -35,6 +35,7 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode only applies to a new file
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
 

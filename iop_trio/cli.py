@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from .certs import init_certs
-from .config import ConfigError, EdgeConfig, NodeSettings, load_config
+from .config import LOG_LEVELS, ConfigError, EdgeConfig, NodeSettings, load_config
 from .controlplane import TokenStore
 from .node.core import RegistrationRefused
 from .roles import Shutdown, print_ready, run_with_signals
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--http", default="127.0.0.1:8080", help="HTTP listen address (HOST:PORT)")
     up.add_argument("--nodes", type=int, default=1, help="number of mock nodes")
     up.add_argument("--data-dir", default="iop-data", help="where run history is kept")
-    up.add_argument("--log-level", default="info")
+    up.add_argument("--log-level", default="info", choices=LOG_LEVELS)
 
     certs = commands.add_parser("certs", help="development certificates")
     certs_commands = certs.add_subparsers(dest="certs_command", required=True)
@@ -119,7 +119,10 @@ def _worker(args: argparse.Namespace) -> None:
         async with trio.open_nursery() as nursery:
             print_ready(**await nursery.start(run_worker, config, shutdown))
 
-    trio.run(run_with_signals, role)
+    try:
+        trio.run(run_with_signals, role)
+    except* ConfigError as group:
+        raise ConfigError("; ".join(_in_file(args.config, exc) for exc in _leaves(group))) from None
 
 
 def _up(args: argparse.Namespace) -> None:

@@ -25,6 +25,10 @@ T = TypeVar("T")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def _lower(value: str) -> str:
+    return value.lower()
+
+
 class ConfigError(ValueError):
     """A config file is missing, not YAML, or does not match its schema."""
 
@@ -120,7 +124,7 @@ class EdgeConfig:
     cancel_timeout: float = 5.0
     #: Default deadline for a run, in seconds (0 = none).
     run_deadline: float = 600.0
-    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
+    log_level: str = field(default="info", converter=_lower, validator=in_(LOG_LEVELS))
 
     @property
     def database(self) -> Path:
@@ -165,7 +169,7 @@ class NodeSettings:
     reconnect: ReconnectConfig = ReconnectConfig()
     #: Seconds in-flight runs get to finish after SIGTERM before they are cancelled.
     shutdown_grace: float = 30.0
-    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
+    log_level: str = field(default="info", converter=_lower, validator=in_(LOG_LEVELS))
 
     @property
     def database(self) -> Path:
@@ -247,4 +251,4 @@ class WorkerConfig:
     retry_maximum: float = field(default=10.0, validator=gt(0))
     #: On SIGINT/SIGTERM: seconds in-flight lines may finish before they are cancelled.
     shutdown_grace: float = field(default=30.0, validator=ge(0))
-    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
+    log_level: str = field(default="info", converter=_lower, validator=in_(LOG_LEVELS))

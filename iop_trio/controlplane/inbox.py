@@ -36,8 +36,9 @@ class RunInbox:
         self.ended = False
         #: True once the edge gave up on the run and asked the node to cancel it.
         self.abandoned = False
-        #: True when the request could not be sent: the node never knew about this run.
-        self.never_sent = False
+        #: True once the run.request is queued for the node; until then the node knows nothing
+        #: of the run and there is nothing to cancel there.
+        self.sent = False
 
     def put(self, event: RunEvent) -> None:
         if self.ended:

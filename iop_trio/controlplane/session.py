@@ -102,11 +102,11 @@ class NodeSession:
                 Error(code="unexpected_message", message=f"an edge does not accept {type(message).__name__}")
             )
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, code: str = "node_lost") -> None:
         """The connection is gone: every run still waiting on it fails now, never hangs."""
         self.closed = True
         for inbox in self.runs.values():
-            inbox.fail("node_lost", f"node {self.node_id} was lost: {reason}")
+            inbox.fail(code, f"node {self.node_id} was lost: {reason}")
 
     def replace(self) -> None:
         """A newer connection registered with this node id: end this one."""
@@ -123,12 +123,11 @@ class NodeSession:
         """Send a reserved run to the node; a node already gone fails its inbox instead."""
         try:
             await self.conn.send(request)
+            self.runs[request.run_id].sent = True
         except ConnectionClosed as exc:
             self.runs[request.run_id].fail("node_lost", f"node {self.node_id} was lost: {exc}")
         except LocalProtocolError as exc:
-            inbox = self.runs[request.run_id]
-            inbox.fail("request_too_large", f"the request does not fit in one frame: {exc}")
-            inbox.never_sent = True
+            self.runs[request.run_id].fail("request_too_large", f"the request does not fit in one frame: {exc}")
 
     async def finish_run(self, run_id: str, cancel_timeout: float) -> bool:
         """The edge is done with the run. If it had not ended, tell the node to cancel it
@@ -138,7 +137,7 @@ class NodeSession:
         inbox = self.runs.get(run_id)
         if inbox is None:
             return False
-        if inbox.ended or inbox.never_sent or self.closed:
+        if inbox.ended or not inbox.sent or self.closed:
             self._release(run_id)  # nothing runs on the node for it: the slot is free now
             return False
         inbox.abandoned = True

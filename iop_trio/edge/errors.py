@@ -18,6 +18,7 @@ RUN_ERROR_STATUS = {
     "backend_timeout": 504,
     "node_draining": 503,
     "node_lost": 502,
+    "node_reconnected": 502,
     "deadline_exceeded": 504,
     "cancelled": 499,
 }

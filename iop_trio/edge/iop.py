@@ -117,11 +117,13 @@ class NodeAcceptor:
             except* (ConnectionClosed, HeartbeatTimeout, RemoteProtocolError) as group:
                 reason = "; ".join(str(exc) for exc in group.exceptions)
             finally:
+                replaced = session.scope.cancel_called
+                if replaced:
+                    reason = "replaced by a newer registration"
                 registry.remove(session)
-                session.close(reason)
+                session.close(reason, "node_reconnected" if replaced else "node_lost")
                 metrics.connected_nodes.set(len(registry))
         if session.scope.cancelled_caught:
-            reason = "replaced by a newer registration"
             # Tell the old process, if it is still alive, so two nodes sharing an id do not take
             # turns replacing each other forever.
             await reject_peer(session.conn, "node_replaced", f"node id {session.node_id!r} registered again elsewhere")

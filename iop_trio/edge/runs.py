@@ -28,7 +28,7 @@ from .state import EdgeState
 log = logging.getLogger("iop_trio.edge")
 
 #: Failures that happen to a run, not because of it: another node may well succeed.
-RETRYABLE = frozenset({"node_lost", "node_busy", "node_draining"})
+RETRYABLE = frozenset({"node_lost", "node_reconnected", "node_busy", "node_draining"})
 
 
 def new_run_id() -> str:
@@ -45,6 +45,7 @@ class EdgeRun:
         self.limits = limits
         self.id = new_run_id()
         self.tried: list[str] = []
+        self.attempts = 0
         self.session: NodeSession | None = None
         self.inbox: RunInbox | None = None
         self.run_id = ""
@@ -84,6 +85,7 @@ class EdgeRun:
         )
         self.session, self.inbox, self.run_id = grant.session, grant.inbox, run_id
         self.tried.append(grant.session.node_id)
+        self.attempts += 1
         request = RunRequest(
             run_id=run_id,
             model=self.parsed.model,
@@ -93,8 +95,8 @@ class EdgeRun:
             params=self.parsed.params,
             deadline=self.state.config.run_deadline or None,
         )
-        await self.state.runs.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
         await grant.session.send_run(request)
+        await self.state.runs.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
 
     async def next_event(self) -> RunEvent:
         """The next ``start``/``delta``/``complete`` event (``start`` once, whatever the number of
@@ -134,11 +136,12 @@ class EdgeRun:
 
     async def _retried(self, code: str, message: str) -> bool:
         """Move to another node if the failure allows it; False when the request must fail."""
+        exclude = frozenset(self.tried if code != "node_reconnected" else self.tried[:-1])
         if (
             code not in RETRYABLE
             or self.first_token_at is not None
-            or len(self.tried) >= self.state.config.retry.max_attempts
-            or not self.state.scheduler.candidates(self.parsed.model, frozenset(self.tried))
+            or self.attempts >= self.state.config.retry.max_attempts
+            or not self.state.scheduler.candidates(self.parsed.model, exclude)
         ):
             return False
         log.info(
@@ -146,7 +149,10 @@ class EdgeRun:
             extra={"request_id": self.id, "failed_node": self.tried[-1], "reason": message},
         )
         self.state.metrics.retries.inc()
-        await self._end_attempt(RunOutcome("error", error=f"retried elsewhere: {message}"))
+        if code == "node_reconnected":
+            # The node is alive on a new connection: it is a candidate again, not a failed node.
+            self.tried.pop()
+        await self._end_attempt(RunOutcome("error", error=message))
         try:
             await self._attempt()
         except NoNodeAvailable as exc:

@@ -69,10 +69,13 @@ async def run_edge(
 
             async def serve_http(task_status: trio.TaskStatus[list[str]]) -> None:
                 with http_scope:
-                    await hypercorn_serve(
-                        create_app(state), hypercorn_config(config),
-                        shutdown_trigger=http_stop.wait, task_status=task_status,
-                    )
+                    try:
+                        await hypercorn_serve(
+                            create_app(state), hypercorn_config(config),
+                            shutdown_trigger=http_stop.wait, task_status=task_status,
+                        )
+                    except OSError as exc:
+                        raise OSError(exc.errno, f"http.listen {config.http.listen}: {exc.strerror}") from exc
                 http_done.set()
 
             binds = await nursery.start(serve_http)

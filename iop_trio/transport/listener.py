@@ -81,7 +81,10 @@ async def serve_iop(
     ``handler`` must not raise for ordinary connection failures: one connection's trouble must
     never take the listener down.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     bound = format_address(listeners[0].socket.getsockname())
     task_status.started(bound)
     await trio.serve_listeners(

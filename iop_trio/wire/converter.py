@@ -106,7 +106,8 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
     """cattrs' wording, plus the exception's own text when it adds something (an attrs
     validator's "'ttft' must be >= 0: -1" names the field cattrs cannot)."""
     text = cattrs.v.format_exception(exc, type_)
-    detail = str(exc)
+    # attrs validators pass (message, attribute, ...) as args: the message is the first.
+    detail = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
     if isinstance(exc, ValueError | TypeError) and detail and detail not in text:
         return f"{text}: {detail}"
     return text

@@ -60,8 +60,15 @@ def make_session(
     return session
 
 
+def running_inbox() -> RunInbox:
+    """An inbox for a run already sent to its node (what send_run leaves behind)."""
+    inbox = RunInbox()
+    inbox.sent = True
+    return inbox
+
+
 def set_outstanding(session: NodeSession, count: int) -> None:
-    session.runs = {f"{session.node_id}-run-{i}": RunInbox() for i in range(count)}
+    session.runs = {f"{session.node_id}-run-{i}": running_inbox() for i in range(count)}
 
 
 def sent(session: NodeSession) -> list[object]:
@@ -862,3 +869,23 @@ async def test_replacing_a_session_ends_the_old_connection_task(autojump_clock: 
         registry.add(make_session("a"))
 
     assert ended_at == [pytest.approx(3)]
+
+
+async def test_a_slot_whose_request_was_never_sent_is_free_at_once() -> None:
+    """The client left between the reservation and the send: the node never heard of the run,
+    so there is nothing to cancel there and no confirmation to wait for."""
+    a = make_session("a", capacity=1)
+    _, scheduler = make_scheduler(a)
+    grant = await scheduler.acquire("m", "r1")
+    assert grant.session is a and a.outstanding == 1
+    assert not await a.finish_run("r1", cancel_timeout=1.0)
+    assert sent(a) == [] and a.outstanding == 0
+
+
+async def test_runs_lost_to_a_re_registration_fail_with_a_retryable_code() -> None:
+    a = make_session("a", capacity=2, outstanding=1)
+    (inbox,) = a.runs.values()
+    a.close("replaced by a newer registration", "node_reconnected")
+    with pytest.raises(RunLost) as lost:
+        await inbox.get()
+    assert lost.value.code == "node_reconnected"
