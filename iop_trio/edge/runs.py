@@ -96,7 +96,7 @@ class EdgeRun:
             deadline=self.state.config.run_deadline or None,
         )
         await grant.session.send_run(request)
-        await self.state.runs.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
+        await self.state.history.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
 
     async def next_event(self) -> RunEvent:
         """The next ``start``/``delta``/``complete`` event (``start`` once, whatever the number of
@@ -169,7 +169,7 @@ class EdgeRun:
         session, self.session = self.session, None
         if await session.finish_run(self.run_id, self.state.config.cancel_timeout):
             log.info("client went away; run cancelled", extra={"run_id": self.run_id, "node_id": session.node_id})
-        await self.state.runs.end_run(self.run_id, outcome)
+        await self.state.history.end_run(self.run_id, outcome)
 
     async def close(self) -> None:
         if self._closed:

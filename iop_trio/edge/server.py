@@ -54,6 +54,7 @@ async def run_edge(
     http_stop = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(state.history.run)
             iop_address = await nursery.start(
                 lambda task_status: serve_iop(
                     host,
@@ -98,6 +99,7 @@ async def run_edge(
                 async with trio.open_nursery() as closing:
                     for session in state.registry.sessions():
                         closing.start_soon(session.conn.flush_and_close)
+            state.history.close()  # the writer flushes what is queued, then returns
             nursery.cancel_scope.cancel()
     finally:
         if owned:

@@ -8,7 +8,7 @@ from attrs import define, field
 from ..config import EdgeConfig
 from ..controlplane import KeyLimits, NodeRegistry, Placement, Scheduler, TokenStore
 from ..metrics import EdgeMetrics
-from ..store import RunStore
+from ..store import RunRecorder, RunStore
 
 
 @define
@@ -19,6 +19,8 @@ class EdgeState:
     tokens: TokenStore
     runs: RunStore
     metrics: EdgeMetrics
+    #: Batches the edge's history writes; ``run_edge`` runs its writer.
+    history: RunRecorder = field(init=False)
     #: API key -> its limits; empty when the API needs no key.
     keys: dict[str, KeyLimits] = field(factory=dict)
     #: Runs whose client is still being served; shutdown waits for this to reach zero.
@@ -27,6 +29,8 @@ class EdgeState:
 
     def __attrs_post_init__(self) -> None:
         self.metrics.queued.set_function(self.scheduler.total_waiting)
+        self.history = RunRecorder(self.runs)
+
 
     def run_started(self) -> None:
         self.runs_in_flight += 1

@@ -14,7 +14,7 @@ import trio
 from attrs import frozen
 
 from ..adapters import BackendError, Completion, ExecutionSpec
-from ..store import RunOutcome, RunStore
+from ..store import RunHistory, RunOutcome
 from ..transport import ConnectionClosed, FramedConnection
 from ..wire import CancelRequest, Error, Heartbeat, Message, NodeConfig, RunEvent, RunRequest
 from .router import Route, Router, UnknownModel
@@ -47,10 +47,10 @@ class Refused:
 
 
 class NodeCore:
-    def __init__(self, node_id: str, router: Router, store: RunStore, max_concurrency: int) -> None:
+    def __init__(self, node_id: str, router: Router, history: RunHistory, max_concurrency: int) -> None:
         self.node_id = node_id
         self.router = router
-        self.store = store
+        self.history = history
         self.max_concurrency = max_concurrency
         self.draining = False
         self._runs: dict[str, trio.CancelScope] = {}
@@ -119,7 +119,7 @@ class NodeCore:
         outcome: RunOutcome | None = None
         code, finish_reason = "cancelled", None
         try:
-            await self.store.start_run(request.run_id, self.node_id, request.model, route.adapter.name)
+            await self.history.start_run(request.run_id, self.node_id, request.model, route.adapter.name)
             with scope:
                 outcome, code, finish_reason = await self._execute(route, spec, tracker, request.deadline)
             if outcome is None:
@@ -132,7 +132,7 @@ class NodeCore:
                 # shutting down. There is nobody to tell, but the row must still say so.
                 outcome = tracker.outcome("cancelled", error="connection to edge lost")
             with trio.CancelScope(shield=True):
-                await self.store.end_run(request.run_id, outcome)
+                await self.history.end_run(request.run_id, outcome)
                 if not connection_lost:
                     await self._send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
             # Only now is the run over: a drain waiting for idleness must find its last event

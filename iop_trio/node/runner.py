@@ -17,7 +17,7 @@ import trio
 
 from .. import __version__
 from ..config import ConfigError, NodeSettings, parse_host_port
-from ..store import RunStore
+from ..store import RunRecorder, RunStore
 from ..transport import (
     Backoff,
     ConnectionClosed,
@@ -48,7 +48,8 @@ class NodeRunner:
         self.settings = settings
         self.router = router
         self.store = store
-        self.core = NodeCore(settings.node_id, router, store, settings.capacity)
+        self.history = RunRecorder(store)
+        self.core = NodeCore(settings.node_id, router, self.history, settings.capacity)
         self.host, self.port = parse_host_port(settings.edge, "edge")
         self.token = settings.resolve_token()
         self.ssl_context = client_context(settings.tls) if settings.tls.enabled else None
@@ -64,19 +65,25 @@ class NodeRunner:
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until ``shutdown`` returns, then drain. Reports ``edge`` address once registered."""
-        async with trio.open_nursery() as nursery:
-            connect_scope = trio.CancelScope()
+        async with trio.open_nursery() as outer:
+            # The history writer outlives every run: it stops only once they have all ended.
+            await outer.start(self.history.run)
+            try:
+                async with trio.open_nursery() as nursery:
+                    connect_scope = trio.CancelScope()
 
-            async def connect() -> None:
-                with connect_scope:
-                    await self._connect_loop(task_status)
+                    async def connect() -> None:
+                        with connect_scope:
+                            await self._connect_loop(task_status)
 
-            nursery.start_soon(connect)
-            await shutdown()
-            if not self._reported_ready:
-                self._reported_ready = True
-                task_status.started("")  # stopped before it ever registered: nothing to report
-            await self.drain(connect_scope)
+                    nursery.start_soon(connect)
+                    await shutdown()
+                    if not self._reported_ready:
+                        self._reported_ready = True
+                        task_status.started("")  # stopped before it ever registered
+                    await self.drain(connect_scope)
+            finally:
+                self.history.close()
 
     async def drain(self, connect_scope: trio.CancelScope) -> None:
         """Tell the edge, refuse new runs, let in-flight ones finish within the grace period,

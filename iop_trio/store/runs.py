@@ -31,6 +31,16 @@ CREATE INDEX IF NOT EXISTS runs_status ON runs (status, started_at);
 """
 
 
+START_SQL = (
+    "INSERT INTO runs (run_id, node_id, model, adapter, status, started_at) VALUES (?, ?, ?, ?, 'running', ?)"
+)
+#: Only a running row is updated: a run's end is recorded once and never overwritten.
+END_SQL = (
+    "UPDATE runs SET status=?, ended_at=?, ttft_ms=?, prompt_tokens=?, completion_tokens=?, error=? "
+    "WHERE run_id=? AND status='running'"
+)
+
+
 @frozen
 class RunOutcome:
     status: Literal["complete", "error", "cancelled"]
@@ -57,19 +67,14 @@ class RunStore:
         )
 
     async def start_run(self, run_id: str, node_id: str, model: str, adapter: str) -> None:
-        await self.db.execute(
-            "INSERT INTO runs (run_id, node_id, model, adapter, status, started_at) "
-            "VALUES (?, ?, ?, ?, 'running', ?)",
-            (run_id, node_id, model, adapter, time.time()),
-        )
+        await self.db.execute(START_SQL, (run_id, node_id, model, adapter, time.time()))
 
     async def end_run(self, run_id: str, outcome: RunOutcome) -> bool:
         """Record the run's end. Returns False if it had already ended (never overwritten)."""
 
         def update(conn: Any) -> bool:
             cursor = conn.execute(
-                "UPDATE runs SET status=?, ended_at=?, ttft_ms=?, prompt_tokens=?, "
-                "completion_tokens=?, error=? WHERE run_id=? AND status='running'",
+                END_SQL,
                 (
                     outcome.status,
                     time.time(),
