@@ -68,6 +68,12 @@ class RunInbox:
         self._failure = RunLost(code, message)
         self._lot.unpark_all()
 
+    def ready_delta(self) -> RunEvent | None:
+        """The next event if it is a delta already here, without waiting (for coalescing)."""
+        if self._events and self._events[0].kind == "delta":
+            return self._events.popleft()
+        return None
+
     async def get(self) -> RunEvent:
         while not self._events:
             if self._failure is not None:

@@ -179,7 +179,11 @@ def create_app(state: EdgeState) -> QuartTrio:
             if shaper.kind == "chat":
                 yield shaper.chunk("", first=True)
             while (event := await run.next_event()).kind != "complete":
-                yield shaper.chunk(event.text)
+                chunks = [shaper.chunk(event.text)]
+                # Deltas that arrived meanwhile go out in the same write: one syscall, not many.
+                while (ready := run.ready_delta()) is not None:
+                    chunks.append(shaper.chunk(ready.text))
+                yield b"".join(chunks)
             yield shaper.chunk(None if shaper.kind == "chat" else "", run.finish_reason)
             if shaper.include_usage:
                 yield shaper.usage_chunk(run.final_usage())

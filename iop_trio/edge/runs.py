@@ -121,6 +121,13 @@ class EdgeRun:
             self._error = message
             raise run_error(code, message)
 
+    def ready_delta(self) -> RunEvent | None:
+        """A delta that has already arrived, or None: lets a stream send several in one write."""
+        event = self.inbox.ready_delta() if self.inbox is not None else None
+        if event is not None:
+            self._account(event)
+        return event
+
     def _account(self, event: RunEvent) -> None:
         if event.kind == "start":
             self._started = True

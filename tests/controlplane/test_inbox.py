@@ -212,3 +212,17 @@ async def test_fail_after_run_ended_is_a_noop(
     with trio.move_on_after(0.05) as scope:
         await inbox.get()
     assert scope.cancelled_caught
+
+
+async def test_ready_delta_takes_only_deltas_already_there() -> None:
+    inbox = RunInbox()
+    assert inbox.ready_delta() is None
+    inbox.put(RunEvent(run_id="r", kind="start"))
+    assert inbox.ready_delta() is None  # a start is not a delta: left for get()
+    assert (await inbox.get()).kind == "start"
+    inbox.put(RunEvent(run_id="r", kind="delta", text="a", tokens=1))
+    inbox.put(RunEvent(run_id="r", kind="delta", text="b", tokens=1))
+    inbox.put(RunEvent(run_id="r", kind="complete"))
+    assert [inbox.ready_delta().text, inbox.ready_delta().text] == ["a", "b"]
+    assert inbox.ready_delta() is None  # the terminal event stays for get()
+    assert (await inbox.get()).kind == "complete"
