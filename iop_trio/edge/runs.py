@@ -14,6 +14,7 @@ exactly once.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 
 import trio
@@ -28,6 +29,9 @@ from .state import EdgeState
 log = logging.getLogger("iop_trio.edge")
 
 #: Failures that happen to a run, not because of it: another node may well succeed.
+#: How long past the run's deadline the edge still waits for the node to say how the run ended.
+DEADLINE_GRACE = 30.0
+
 RETRYABLE = frozenset({"node_lost", "node_reconnected", "node_busy", "node_draining"})
 
 
@@ -50,6 +54,8 @@ class EdgeRun:
         self.inbox: RunInbox | None = None
         self.run_id = ""
         self.started_at = trio.current_time()
+        deadline = state.config.run_deadline
+        self.deadline_at = self.started_at + deadline + DEADLINE_GRACE if deadline else math.inf
         self.first_token_at: float | None = None
         self.completion_tokens = 0
         self.usage: Usage | None = None
@@ -104,7 +110,12 @@ class EdgeRun:
         while True:
             assert self.inbox is not None
             try:
-                event = await self.inbox.get()
+                with trio.move_on_at(self.deadline_at) as overdue:
+                    event = await self.inbox.get()
+                if overdue.cancelled_caught:
+                    # The node enforces the deadline itself; this only catches a node that never
+                    # said how the run ended, so no client can wait forever.
+                    raise RunLost("deadline_exceeded", "the node did not finish the run within its deadline")
             except RunLost as exc:
                 code, message = exc.code, exc.message
             else:

@@ -22,9 +22,6 @@ from .run import RunTracker, final_event
 
 log = logging.getLogger("iop_trio.node")
 
-FINAL_EVENT_BUDGET = 1.0
-
-
 class RegistrationRefused(Exception):
     """The edge refused this node (bad or revoked token, node id not allowed): retrying is futile."""
 
@@ -131,16 +128,18 @@ class NodeCore:
                 # Cancelled from outside the run's own scope: the connection ended or the node is
                 # shutting down. There is nobody to tell, but the row must still say so.
                 outcome = tracker.outcome("cancelled", error="connection to edge lost")
-            with trio.CancelScope(shield=True):
-                await self.history.end_run(request.run_id, outcome)
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.history.end_run(request.run_id, outcome)
                 if not connection_lost:
-                    await self._send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
-            # Only now is the run over: a drain waiting for idleness must find its last event
-            # already queued on the connection.
-            del self._runs[request.run_id]
-            self._cancel_reasons.pop(request.run_id, None)
-            if not self._runs:
-                self._idle.set()
+                    await send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
+            finally:
+                # Only now is the run over: a drain waiting for idleness must find its last
+                # event already queued on the connection.
+                del self._runs[request.run_id]
+                self._cancel_reasons.pop(request.run_id, None)
+                if not self._runs:
+                    self._idle.set()
             log.info(
                 "run ended",
                 extra={
@@ -173,12 +172,17 @@ class NodeCore:
         usage = tracker.usage(completion.usage)
         return tracker.outcome("complete", usage=usage), "", completion.finish_reason
 
-    async def _send_final(self, conn: FramedConnection, event: RunEvent) -> None:
-        with trio.move_on_after(FINAL_EVENT_BUDGET):
-            try:
-                await conn.send(event)
-            except ConnectionClosed:
-                pass  # the edge is gone; the history row is what remains
+
+async def send_final(conn: FramedConnection, event: RunEvent) -> None:
+    """Queue the run's terminal event behind its deltas, however long the outbox takes.
+
+    Never dropped and never timed out: the edge would wait for it forever. It is not
+    shielded either: if the connection dies meanwhile, its nursery's cancellation ends this
+    wait, and the edge learns of the loss from the connection itself."""
+    try:
+        await conn.send(event)
+    except ConnectionClosed:
+        pass  # the edge is gone; the history row is what remains
 
 
 class NodeConnectionHandler:

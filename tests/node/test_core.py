@@ -147,3 +147,26 @@ async def test_max_tokens_caps_the_run(nursery, store, start_node, autojump_cloc
     events = await node.edge.events_until_end("r1")
     assert sum(e.kind == "delta" for e in events) == 4
     assert events[-1].finish_reason == "length"
+
+
+
+async def test_the_terminal_event_waits_for_a_backed_up_connection_and_is_never_dropped(
+    store, autojump_clock
+):
+    """Under thousands of streams the outbox can stay full for a long while; a run's end must
+    still go out (it used to be dropped after one second, and the client hung)."""
+    from iop_trio.node.core import send_final
+    from iop_trio.wire import RunEvent
+
+    class BackedUpConnection:
+        def __init__(self) -> None:
+            self.sent: list[RunEvent] = []
+
+        async def send(self, message: RunEvent) -> None:
+            await trio.sleep(600)  # ten minutes before the outbox has room
+            self.sent.append(message)
+
+    conn = BackedUpConnection()
+    event = RunEvent(run_id="r1", kind="complete", finish_reason="stop")
+    await send_final(conn, event)  # type: ignore[arg-type]
+    assert conn.sent == [event]
