@@ -7,6 +7,7 @@ threads at once and the event loop never blocks on disk.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,10 +32,13 @@ class Database:
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.executescript(schema)
         self._limiter = trio.CapacityLimiter(1)
+        # The one connection is never used by two threads at once: a synchronous read from the
+        # event loop (``iop-trio runs``, tests) must not land inside a worker thread's transaction.
+        self._lock = threading.Lock()
 
     def call_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on the connection in this thread (CLI commands, start-up)."""
-        with self._conn:
+        with self._lock, self._conn:
             return fn(self._conn)
 
     async def call(self, fn: Callable[[sqlite3.Connection], T]) -> T:

@@ -73,3 +73,21 @@ async def test_rows_are_written_directly_when_no_writer_runs(store) -> None:
     await recorder.end_run("before", RunOutcome("complete"))  # after the writer stopped
     (row,) = store.list_runs()
     assert row["status"] == "complete"
+
+
+async def test_synchronous_reads_never_land_inside_the_writers_transaction(store) -> None:
+    """Tests and `iop-trio runs` read from the event loop while the writer thread commits."""
+    recorder = RunRecorder(store)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.run)
+
+        async def write() -> None:
+            for index in range(2000):
+                await recorder.start_run(f"r{index}", "n", "m", "mock")
+            recorder.close()
+
+        nursery.start_soon(write)
+        for _ in range(200):
+            store.list_runs(limit=5)  # must not commit, or break, the writer's open transaction
+            await trio.sleep(0)
+    assert len(store.list_runs(limit=5000)) == 2000
