@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 
 from iop_trio.store import RunOutcome, RunRecorder, RunStore
 
@@ -89,5 +90,5 @@ async def test_synchronous_reads_never_land_inside_the_writers_transaction(store
         nursery.start_soon(write)
         for _ in range(200):
             store.list_runs(limit=5)  # must not commit, or break, the writer's open transaction
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
     assert len(store.list_runs(limit=5000)) == 2000
