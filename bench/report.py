@@ -91,6 +91,8 @@ def markdown(results: dict[str, Any], findings: str) -> str:
         f"Product sources (iop_trio/*.py) sha256 {meta.get('product_sha256', '?')}.",
         "",
     ]
+    for section, note in (meta.get("sections") or {}).items():
+        out += [f"Section `{section}` comes from a later run: {note}.", ""]
     if meta.get("skipped"):
         out += ["Skipped: " + "; ".join(f"**{k}**: {v}" for k, v in meta["skipped"].items()), ""]
     rows = targets(results)

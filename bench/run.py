@@ -221,7 +221,7 @@ def merged(path: Path, new: dict[str, Any]) -> dict[str, Any]:
             old[key].update(value)
         else:
             old[key] = value
-        sections[key] = new["meta"]["started"]
+        sections[key] = f"{new['meta']['started']} (product sha256 {new['meta'].get('product_sha256', '?')})"
     old["meta"]["failures"] = old["meta"].get("failures", []) + new["meta"]["failures"]
     old["meta"]["skipped"].update(new["meta"]["skipped"])
     return old
