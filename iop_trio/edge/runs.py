@@ -101,8 +101,9 @@ class EdgeRun:
             params=self.parsed.params,
             deadline=self.state.config.run_deadline or None,
         )
+        with trio.CancelScope(shield=True):  # the row exists before anything can end the attempt
+            await self.state.history.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
         await grant.session.send_run(request)
-        await self.state.history.start_run(run_id, grant.session.node_id, self.parsed.model, "edge")
 
     async def next_event(self) -> RunEvent:
         """The next ``start``/``delta``/``complete`` event (``start`` once, whatever the number of
