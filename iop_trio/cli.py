@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -78,10 +79,16 @@ def _edge(args: argparse.Namespace) -> None:
             addresses = await nursery.start(run_edge, config, shutdown)
             print_ready(**addresses)
 
+    _serve(args.config, role)
+
+
+def _serve(config_path: str, role: Callable[[Shutdown], Awaitable[None]]) -> None:
+    """Run a role until its signals say stop; configuration errors raised while it starts
+    (TLS files, addresses, the edge database) name the config file."""
     try:
         trio.run(run_with_signals, role)
     except* (ConfigError, TlsConfigError) as group:
-        raise ConfigError("; ".join(_in_file(args.config, exc) for exc in _leaves(group))) from None
+        raise ConfigError("; ".join(_in_file(config_path, exc) for exc in _leaves(group))) from None
 
 
 def _node(args: argparse.Namespace) -> None:
@@ -105,7 +112,7 @@ def _node(args: argparse.Namespace) -> None:
                 await runner.router.aclose()
             runner.store.close()
 
-    trio.run(run_with_signals, role)
+    _serve(args.config, role)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -119,10 +126,7 @@ def _worker(args: argparse.Namespace) -> None:
         async with trio.open_nursery() as nursery:
             print_ready(**await nursery.start(run_worker, config, shutdown))
 
-    try:
-        trio.run(run_with_signals, role)
-    except* ConfigError as group:
-        raise ConfigError("; ".join(_in_file(args.config, exc) for exc in _leaves(group))) from None
+    _serve(args.config, role)
 
 
 def _up(args: argparse.Namespace) -> None:

@@ -82,25 +82,27 @@ class Scheduler:
             and self.placement.allows(model, session.info.labels)
         ]
 
-    def check_servable(self, model: str, exclude: frozenset[str] = frozenset()) -> None:
-        """Fail fast when no node could ever take this request, rather than queue it."""
+    def check_servable(self, model: str, exclude: frozenset[str] = frozenset()) -> list[NodeSession]:
+        """The request's candidates; fail fast when no node could ever take it, rather than queue it."""
         if not len(self.registry):
             raise NoNodeAvailable(503, "no_node_available", "no inference node is connected", retry_after=1)
         if not self.registry.serving(model):
             raise NoNodeAvailable(404, "model_not_found", f"The model `{model}` does not exist or no node serves it.")
-        if not self.candidates(model, exclude):
+        candidates = self.candidates(model, exclude)
+        if not candidates:
             raise NoNodeAvailable(
                 503, "no_node_available", f"no node can take `{model}` now (draining, placement or failed)",
                 retry_after=1,
             )
+        return candidates
 
     async def acquire(
         self, model: str, run_id: str, priority: int = 0, exclude: frozenset[str] = frozenset()
     ) -> Grant:
         """A node with a slot reserved for ``run_id``; waits in the model's queue when all are full."""
-        self.check_servable(model, exclude)
+        candidates = self.check_servable(model, exclude)
         if not self.waiting(model):
-            session = least_loaded(self.candidates(model, exclude))
+            session = least_loaded(candidates)
             if session is not None:  # a free slot and nobody ahead: no queueing at all
                 return Grant(session, session.reserve(run_id))
         if self.waiting(model) >= self.queue.max_waiting:
@@ -145,13 +147,14 @@ class Scheduler:
         """Hand free slots to waiters in priority order. A waiter that cannot use any free node
         (a retry excluding the nodes that failed it) is skipped, not allowed to block the rest."""
         queue = self._queues.get(model)
+        candidates = self.candidates(model)
         skipped: list[tuple[int, int, Waiter]] = []
-        while queue and any(s.has_capacity for s in self.candidates(model)):
+        while queue and any(s.has_capacity for s in candidates):
             item = heapq.heappop(queue)
             waiter = item[2]
             if waiter.abandoned:
                 continue
-            session = least_loaded(self.candidates(model, waiter.exclude))
+            session = least_loaded([s for s in candidates if s.node_id not in waiter.exclude])
             if session is None:
                 skipped.append(item)
                 continue

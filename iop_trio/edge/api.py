@@ -197,9 +197,14 @@ def create_app(state: EdgeState) -> QuartTrio:
     return app
 
 
-def find_key(state: EdgeState, headers: Any) -> KeyLimits | None:
+def bearer(headers: Any) -> str | None:
     scheme, _, presented = headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
+    return presented if scheme.lower() == "bearer" else None
+
+
+def find_key(state: EdgeState, headers: Any) -> KeyLimits | None:
+    presented = bearer(headers)
+    if presented is None:
         return None
     for key, limits in state.keys.items():
         if hmac.compare_digest(presented, key):
@@ -208,9 +213,8 @@ def find_key(state: EdgeState, headers: Any) -> KeyLimits | None:
 
 
 def admin_allowed(state: EdgeState, headers: Any) -> bool:
-    scheme, _, presented = headers.get("Authorization", "").partition(" ")
-    admin_key = state.config.admin_key
-    return bool(admin_key) and scheme.lower() == "bearer" and hmac.compare_digest(presented, admin_key)
+    presented, admin_key = bearer(headers), state.config.admin_key
+    return bool(admin_key) and presented is not None and hmac.compare_digest(presented, admin_key)
 
 
 def admin_refusal(state: EdgeState) -> ApiError:
