@@ -172,6 +172,16 @@ class Cluster:
             conn.row_factory = sqlite3.Row
             return [dict(r) for r in conn.execute("SELECT * FROM runs ORDER BY started_at")]
 
+    def wait_for_ended_runs(self, node_id: str, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The node's history once ``count`` runs have ended (it is written in batches, ~50 ms late)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.runs(node_id)
+            if sum(r["status"] != "running" for r in rows) >= count:
+                return rows
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {count} ended runs on {node_id}: {self.runs(node_id)}")
+
     def wait_for_run(self, node_id: str, status: str, timeout: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

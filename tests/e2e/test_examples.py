@@ -38,8 +38,9 @@ def test_example_node_serves_mock_ollama_openai_and_cli_models(tmp_path) -> None
         assert answers["qwen2.5-0.5b"].choices[0].message.content == "alpha bravo charlie"
         assert answers["shout"].choices[0].message.content.split() == ["QUIET", "WORDS", "HERE"]
         assert len(answers["mock"].choices[0].message.content.split()) == 3
-        assert {row["status"] for row in cluster.runs("node-a")} == {"complete"}
-        assert {row["adapter"] for row in cluster.runs("node-a")} == {"mock", "ollama", "vllm", "cli"}
+        history = cluster.wait_for_ended_runs("node-a", 4)
+        assert {row["status"] for row in history} == {"complete"}
+        assert {row["adapter"] for row in history} == {"mock", "ollama", "vllm", "cli"}
     finally:
         try:
             cluster.stop()

@@ -70,7 +70,7 @@ def test_kill_9_retries_runs_before_first_token_and_fails_streams_mid_way(tmp_pa
         with pytest.raises(openai.APIError, match="node-a was lost"):
             for _ in chunks:
                 pass
-        assert [r["status"] for r in cluster.runs("node-b")] == ["complete", "complete"]
+        assert [r["status"] for r in cluster.wait_for_ended_runs("node-b", 2)] == ["complete", "complete"]
     finally:
         cluster.stop()
 
@@ -95,7 +95,7 @@ def test_sigterm_drains_a_node_while_the_fleet_keeps_serving(tmp_path) -> None:
         assert len(text.split()) == 40  # the in-flight stream finished on the draining node
         assert draining.popen.wait(15) == 0
         assert [r["status"] for r in cluster.runs("node-a")] == ["complete"]
-        assert [r["status"] for r in cluster.runs("node-b")] == ["complete"] * 4
+        assert [r["status"] for r in cluster.wait_for_ended_runs("node-b", 4)] == ["complete"] * 4
     finally:
         cluster.stop()
 

@@ -202,7 +202,7 @@ def test_sigterm_drains_in_flight_runs_and_exits_zero(tmp_path) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert len(text.split()) == 40
         assert cluster.edge.popen.wait(15) == 0
-        assert [r["status"] for r in cluster.runs("node-a")] == ["complete"]
+        assert [r["status"] for r in cluster.wait_for_ended_runs("node-a", 1)] == ["complete"]
     finally:
         cluster.stop()
     assert [p.popen.returncode for p in cluster.processes] == [0, 0]

@@ -92,3 +92,44 @@ async def test_synchronous_reads_never_land_inside_the_writers_transaction(store
             store.list_runs(limit=5)  # must not commit, or break, the writer's open transaction
             await trio.lowlevel.checkpoint()
     assert len(store.list_runs(limit=5000)) == 2000
+
+
+async def test_rows_wait_for_the_flush_interval_then_go_in_one_transaction(tmp_path, autojump_clock) -> None:
+    store = RunStore(tmp_path / "runs.db", in_thread=False)
+    recorder = RunRecorder(store, flush_interval=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.run)
+        await recorder.start_run("a", "n", "m", "mock")
+        await trio.sleep(0.5)
+        await recorder.start_run("b", "n", "m", "mock")
+        assert store.list_runs() == []  # both still queued, half-way through the interval
+        await trio.sleep(0.6)
+        assert {r["run_id"] for r in store.list_runs()} == {"a", "b"}
+        recorder.close()
+    store.close()
+
+
+async def test_an_end_written_directly_never_overtakes_its_queued_start(tmp_path) -> None:
+    """A crash cancels the writer while a start is queued; the run's own end then comes too late
+    for the channel and is written directly: it must land after the start, or the row would stay
+    ``running`` for ever. (On the event loop, so only the lock decides the order.)"""
+    store = RunStore(tmp_path / "runs.db", in_thread=False)
+    for attempt in range(20):
+        recorder = RunRecorder(store, flush_interval=60)
+        crash = trio.CancelScope()
+
+        async def writer(
+            task_status: trio.TaskStatus[None], scope: trio.CancelScope = crash, recorder: RunRecorder = recorder
+        ) -> None:
+            with scope:
+                await recorder.run(task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer)
+            await recorder.start_run(f"r{attempt}", "n", "m", "mock")  # queued: the writer waits 60 s
+            crash.cancel()
+            while recorder._running:  # until the writer is flushing
+                await trio.lowlevel.checkpoint()
+            await recorder.end_run(f"r{attempt}", RunOutcome("cancelled"))
+    assert {r["status"] for r in store.list_runs(limit=100)} == {"cancelled"}
+    store.close()
