@@ -194,7 +194,7 @@ def markdown(results: dict[str, Any], findings: str) -> str:
         "## How to read this",
         "",
         "- **req/s** counts requests that both started and finished inside the measured window; a stream counts once, "
-        "after `data: [DONE]` with all 16 content chunks checked.",
+        "after `data: [DONE]` with all 16 tokens of content checked (counted as words: a gateway may forward tokens that reached it together in one chunk).",
         "- **SUT CPU ms/req** is the CPU the system under test (every process of it) spent per request: on one core, "
         "1000 / that is the ceiling on req/s. **peak RSS** is the largest sum of RSS over its processes, sampled every 100 ms.",
         "- (a) is the mock backend with no gateway: its figures are the floor under every other row, and at high "

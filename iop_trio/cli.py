@@ -108,8 +108,6 @@ def _node(args: argparse.Namespace) -> None:
                 if edge:  # empty: shut down before it ever registered
                     print_ready(node=settings.node_id, edge=edge)
         finally:
-            with trio.CancelScope(shield=True):
-                await runner.router.aclose()
             runner.store.close()
 
     _serve(args.config, role)

@@ -1,26 +1,35 @@
-"""What the HTTP adapters share: one pooled client per backend, deadlines as cancel scopes, and
-backend failures mapped to stable :class:`BackendError` codes.
+"""What the HTTP adapters share: one pooled backend client each, deadlines as cancel scopes, the
+body read as batches of lines, and backend failures mapped to stable :class:`BackendError` codes.
 
-Upstream calls always stream, even for a client's non-streaming request: closing the response is
-then the one way to tell the backend to stop, and it happens as soon as the run's scope is
-cancelled (``async with`` exits, httpx closes the connection).
+Upstream calls always stream, even for a client's non-streaming request: closing the connection
+is then the one way to tell the backend to stop, and it happens as soon as the run's scope is
+cancelled (``async with`` exits before the body's end, the client hangs up).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
-import httpx
 import trio
 from attrs import field, frozen
 from attrs.validators import gt
 
+from .backend_client import (
+    BackendClient,
+    BackendConnectionError,
+    BackendResponse,
+    BackendUnreachable,
+)
 from .base import BackendError, Capabilities
 
 ERROR_BODY_LIMIT = 4096
+LISTING_LIMIT = 8 * 1024 * 1024
+#: After the stream's last event, how long the body's end may take before we hang up instead
+#: (the connection is then not reused; a backend that keeps the body open must not hold a run).
+BODY_END_GRACE = 1.0
 
 
 @frozen
@@ -73,16 +82,11 @@ class HttpAdapter:
         await self._client.aclose()
 
 
-def make_client(config: HttpBackendConfig) -> httpx.AsyncClient:
+def make_client(config: HttpBackendConfig) -> BackendClient:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    return httpx.AsyncClient(
-        base_url=config.base_url.rstrip("/"),
-        headers=headers,
-        limits=httpx.Limits(
-            max_connections=config.max_connections, max_keepalive_connections=config.max_connections
-        ),
-        # Connect is httpx's; reads are bounded by our own cancel scopes (see read_lines).
-        timeout=httpx.Timeout(None, connect=config.connect_timeout),
+    return BackendClient(
+        config.base_url, headers=headers, max_connections=config.max_connections,
+        connect_timeout=config.connect_timeout,
     )
 
 
@@ -114,58 +118,65 @@ def error_detail(body: bytes) -> str:
 
 @asynccontextmanager
 async def open_stream(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any], read_timeout: float
-) -> AsyncIterator[httpx.Response]:
+    client: BackendClient, path: str, body: dict[str, Any], read_timeout: float
+) -> AsyncIterator[BackendResponse]:
     """POST ``body`` and yield the streaming response once its headers say success."""
-    request = client.build_request("POST", path, json=body)
-    try:
-        with trio.fail_after(read_timeout):
-            response = await client.send(request, stream=True)
-    except trio.TooSlowError as exc:
-        raise BackendError("backend_timeout", f"no response from backend within {read_timeout:g}s") from exc
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise BackendError("backend_unavailable", f"cannot reach backend at {client.base_url}: {exc}") from exc
-    except httpx.TransportError as exc:
-        raise BackendError("backend_error", f"backend connection failed: {exc!r}") from exc
-    try:
-        if response.status_code >= 400:
-            detail = await _read_error(response, read_timeout)
-            raise status_error(response.status_code, detail)
-        yield response
-    except httpx.TransportError as exc:
-        raise BackendError("backend_error", f"backend connection broke mid-stream: {exc!r}") from exc
-    finally:
-        # Closing the stream is what stops generation on the backend when the run is cancelled.
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            await response.aclose()
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    async with AsyncExitStack() as stack:
+        try:
+            with trio.fail_after(read_timeout):
+                response = await stack.enter_async_context(client.request("POST", path, payload))
+        except trio.TooSlowError as exc:
+            raise BackendError("backend_timeout", f"no response from backend within {read_timeout:g}s") from exc
+        except BackendUnreachable as exc:
+            raise BackendError("backend_unavailable", f"cannot reach backend at {client.base_url}: {exc}") from exc
+        except BackendConnectionError as exc:
+            raise BackendError("backend_error", f"backend connection failed: {exc}") from exc
+        try:
+            if response.status >= 400:
+                with trio.move_on_after(min(read_timeout, 5.0)):
+                    raise status_error(response.status, error_detail(await response.read(ERROR_BODY_LIMIT)))
+                raise status_error(response.status, "(no error body within 5s)")
+            yield response
+        except BackendConnectionError as exc:
+            raise BackendError("backend_error", f"backend connection broke mid-stream: {exc}") from exc
 
 
-async def _read_error(response: httpx.Response, read_timeout: float) -> str:
-    chunks: list[bytes] = []
-    size = 0
-    with trio.move_on_after(min(read_timeout, 5.0)):
-        async for chunk in response.aiter_bytes():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size >= ERROR_BODY_LIMIT:
-                break
-    return error_detail(b"".join(chunks))
+class LineReader:
+    """A response body as batches of non-empty lines: each batch is what the network delivered
+    together, so an adapter forwards it as one delta. A backend silent for ``read_timeout``
+    is an error."""
 
+    def __init__(self, response: BackendResponse, read_timeout: float) -> None:
+        self._response = response
+        self._read_timeout = read_timeout
+        self._partial = b""
 
-async def read_lines(response: httpx.Response, read_timeout: float) -> AsyncGenerator[str, None]:
-    """The response's non-empty lines; a backend silent for ``read_timeout`` is an error."""
-    lines: Any = response.aiter_lines()  # typed as an iterator, but it is an async generator
-    async with aclosing(lines):
+    async def next_batch(self) -> list[str] | None:
+        """The next lines, or ``None`` at the end of the body."""
         while True:
-            with trio.move_on_after(read_timeout) as silence:
-                try:
-                    line = await lines.__anext__()
-                except StopAsyncIteration:
-                    return
+            with trio.move_on_after(self._read_timeout) as silence:
+                data = await self._response.receive_some()
             if silence.cancelled_caught:
-                raise BackendError("backend_timeout", f"backend silent for {read_timeout:g}s mid-stream")
-            if line:
-                yield line
+                raise BackendError("backend_timeout", f"backend silent for {self._read_timeout:g}s mid-stream")
+            if not data:
+                last, self._partial = self._partial, b""
+                return _decode_lines([last]) or None
+            *lines, self._partial = (self._partial + data).split(b"\n")
+            if batch := _decode_lines(lines):
+                return batch
+
+    async def finish(self) -> None:
+        """Read what is left of the body (normally just its end), so the connection is reused;
+        a backend that does not end it soon is hung up on instead."""
+        with trio.move_on_after(BODY_END_GRACE):
+            while await self._response.receive_some():
+                pass
+
+
+def _decode_lines(lines: list[bytes]) -> list[str]:
+    decoded = (line.decode("utf-8", errors="replace").strip() for line in lines)
+    return [line for line in decoded if line]
 
 
 def parse_json_line(line: str, what: str) -> dict[str, Any]:
@@ -178,18 +189,19 @@ def parse_json_line(line: str, what: str) -> dict[str, Any]:
     return data
 
 
-async def get_json(client: httpx.AsyncClient, path: str, read_timeout: float) -> Any:
+async def get_json(client: BackendClient, path: str, read_timeout: float) -> Any:
     """GET a small JSON document (model lists); failures are BackendErrors."""
     try:
         with trio.fail_after(read_timeout):
-            response = await client.get(path)
+            async with client.request("GET", path) as response:
+                status, body = response.status, await response.read(LISTING_LIMIT)
     except trio.TooSlowError as exc:
         raise BackendError("backend_timeout", f"GET {path} took over {read_timeout:g}s") from exc
-    except httpx.TransportError as exc:
-        raise BackendError("backend_unavailable", f"cannot reach backend at {client.base_url}: {exc!r}") from exc
-    if response.status_code >= 400:
-        raise status_error(response.status_code, error_detail(response.content))
+    except (BackendUnreachable, BackendConnectionError) as exc:
+        raise BackendError("backend_unavailable", f"cannot reach backend at {client.base_url}: {exc}") from exc
+    if status >= 400:
+        raise status_error(status, error_detail(body))
     try:
-        return response.json()
+        return json.loads(body)
     except ValueError as exc:
         raise BackendError("backend_protocol_error", f"GET {path} did not return JSON") from exc

@@ -1,19 +1,20 @@
 """The ollama adapter: Ollama's native API (``/api/chat``, ``/api/generate``), streaming NDJSON.
 
 Usage comes from the final object's ``prompt_eval_count``/``eval_count``. Cancelling a run closes
-the HTTP stream, which is how Ollama learns to stop generating.
+the HTTP stream, which is how Ollama learns to stop generating. The lines that arrive in one
+network read are forwarded as one delta (one token per line), as in the vllm adapter.
 """
 
 from __future__ import annotations
 
-from contextlib import aclosing
+from collections.abc import Callable
 from typing import Any
 
 from attrs import field, frozen
 
 from ..wire import Usage
 from .base import BackendError, Completion, ExecutionSpec, RunSink
-from .http import HttpAdapter, HttpBackendConfig, open_stream, parse_json_line, read_lines
+from .http import HttpAdapter, HttpBackendConfig, LineReader, open_stream, parse_json_line
 
 
 @frozen
@@ -66,20 +67,41 @@ class OllamaAdapter(HttpAdapter):
             body["prompt"] = spec.prompt
         timeout = self.config.read_timeout
         async with open_stream(self._client, path, body, timeout) as response:
-            async with aclosing(read_lines(response, timeout)) as lines:
-                async for line in lines:
-                    data = parse_json_line(line, "NDJSON line")
-                    if "error" in data:
-                        raise BackendError("backend_error", f"ollama: {data['error']}")
-                    text = text_of(data)
-                    if text:
-                        await sink.delta(text, 1)
-                    if data.get("done"):
-                        usage = Usage(int(data.get("prompt_eval_count") or 0), int(data.get("eval_count") or 0))
-                        sink.report_prompt_tokens(usage.prompt_tokens)
-                        reason = "length" if data.get("done_reason") == "length" else "stop"
-                        return Completion(reason, usage)
+            lines = LineReader(response, timeout)
+            while (batch := await lines.next_batch()) is not None:
+                texts, completion, error = _read(batch, text_of)
+                if texts:
+                    await sink.delta("".join(texts), len(texts))
+                if error is not None:
+                    raise error
+                if completion is not None:
+                    assert completion.usage is not None
+                    sink.report_prompt_tokens(completion.usage.prompt_tokens)
+                    await lines.finish()
+                    return completion
         raise BackendError("backend_protocol_error", "ollama stream ended before done=true")
+
+
+def _read(
+    lines: list[str], text_of: Callable[[dict[str, Any]], str]
+) -> tuple[list[str], Completion | None, BackendError | None]:
+    """The texts in ``lines``; the completion if the last object (``done``) is among them; the
+    error that stopped reading them, if any (the text before it still reaches the client)."""
+    texts: list[str] = []
+    for line in lines:
+        try:
+            data = parse_json_line(line, "NDJSON line")
+        except BackendError as exc:
+            return texts, None, exc
+        if "error" in data:
+            return texts, None, BackendError("backend_error", f"ollama: {data['error']}")
+        if text := text_of(data):
+            texts.append(text)
+        if data.get("done"):
+            usage = Usage(int(data.get("prompt_eval_count") or 0), int(data.get("eval_count") or 0))
+            reason = "length" if data.get("done_reason") == "length" else "stop"
+            return texts, Completion(reason, usage), None
+    return texts, None, None
 
 
 def _chat_text(data: dict[str, Any]) -> str:

@@ -3,18 +3,19 @@ TGI's Messages API).
 
 Always streams upstream with ``stream_options.include_usage``, so the backend's own token counts
 come back with the last chunk, and cancelling a run closes the stream (the server stops there).
+The chunks that arrive in one network read are forwarded as one delta (counting one token per
+chunk): under load that is one frame to the edge instead of one per token, and it adds no delay.
 """
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from typing import Any
 
 from attrs import field, frozen
 
 from ..wire import Usage
 from .base import BackendError, Completion, ExecutionSpec, RunSink
-from .http import HttpAdapter, HttpBackendConfig, open_stream, parse_json_line, read_lines
+from .http import HttpAdapter, HttpBackendConfig, LineReader, open_stream, parse_json_line
 
 
 @frozen
@@ -60,31 +61,58 @@ class VllmAdapter(HttpAdapter):
         else:
             path = "/completions"
             body["prompt"] = spec.prompt
-        finish_reason: str | None = None
-        usage: Usage | None = None
-        timeout = self.config.read_timeout
-        async with open_stream(self._client, path, body, timeout) as response:
-            async with aclosing(read_lines(response, timeout)) as lines:
-                async for line in lines:
-                    if not line.startswith("data:"):
-                        continue  # SSE comments, event names, keep-alives
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = parse_json_line(data, "SSE chunk")
-                    if "error" in chunk:
-                        raise BackendError("backend_error", f"backend error mid-stream: {chunk['error']}")
-                    for choice in chunk.get("choices") or ():
-                        text = _choice_text(choice, spec.kind)
-                        if text:
-                            await sink.delta(text, 1)
-                        finish_reason = choice.get("finish_reason") or finish_reason
-                    if chunk.get("usage"):
-                        usage = _usage(chunk["usage"])
-                        sink.report_prompt_tokens(usage.prompt_tokens)
+        stream = _StreamState(spec.kind)
+        async with open_stream(self._client, path, body, self.config.read_timeout) as response:
+            lines = LineReader(response, self.config.read_timeout)
+            while not stream.done and (batch := await lines.next_batch()) is not None:
+                usage_before = stream.usage
+                texts, error = stream.read(batch)
+                if texts:
+                    await sink.delta("".join(texts), len(texts))
+                if error is not None:
+                    raise error
+                if stream.usage is not usage_before and stream.usage is not None:
+                    sink.report_prompt_tokens(stream.usage.prompt_tokens)
+            await lines.finish()
+        finish_reason, usage = stream.finish_reason, stream.usage
         if finish_reason is None:
             raise BackendError("backend_protocol_error", "stream ended without a finish_reason")
         return Completion(finish_reason, usage)
+
+
+class _StreamState:
+    """What the SSE stream has said so far: its finish reason, its usage, whether it is done."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.done = False
+
+    def read(self, lines: list[str]) -> tuple[list[str], BackendError | None]:
+        """The texts in ``lines``, and the error that stopped reading them, if any: the text
+        before a bad chunk still reaches the client."""
+        texts: list[str] = []
+        for line in lines:
+            if not line.startswith("data:"):
+                continue  # SSE comments, event names, keep-alives
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                self.done = True
+                break
+            try:
+                chunk = parse_json_line(data, "SSE chunk")
+                if "error" in chunk:
+                    raise BackendError("backend_error", f"backend error mid-stream: {chunk['error']}")
+                for choice in chunk.get("choices") or ():
+                    if text := _choice_text(choice, self.kind):
+                        texts.append(text)
+                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                if chunk.get("usage"):
+                    self.usage = _usage(chunk["usage"])
+            except BackendError as exc:
+                return texts, exc
+        return texts, None
 
 
 def _choice_text(choice: dict[str, Any], kind: str) -> str:

@@ -64,26 +64,31 @@ class NodeRunner:
         shutdown: Callable[[], Awaitable[None]],
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until ``shutdown`` returns, then drain. Reports ``edge`` address once registered."""
-        async with trio.open_nursery() as outer:
-            # The history writer outlives every run: it stops only once they have all ended.
-            await outer.start(self.history.run)
-            try:
-                async with trio.open_nursery() as nursery:
-                    connect_scope = trio.CancelScope()
+        """Serve until ``shutdown`` returns, then drain. Reports ``edge`` address once registered.
+        The adapters are closed on the way out (pooled backend connections, child processes)."""
+        try:
+            async with trio.open_nursery() as outer:
+                # The history writer outlives every run: it stops only once they have all ended.
+                await outer.start(self.history.run)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        connect_scope = trio.CancelScope()
 
-                    async def connect() -> None:
-                        with connect_scope:
-                            await self._connect_loop(task_status)
+                        async def connect() -> None:
+                            with connect_scope:
+                                await self._connect_loop(task_status)
 
-                    nursery.start_soon(connect)
-                    await shutdown()
-                    if not self._reported_ready:
-                        self._reported_ready = True
-                        task_status.started("")  # stopped before it ever registered
-                    await self.drain(connect_scope)
-            finally:
-                self.history.close()
+                        nursery.start_soon(connect)
+                        await shutdown()
+                        if not self._reported_ready:
+                            self._reported_ready = True
+                            task_status.started("")  # stopped before it ever registered
+                        await self.drain(connect_scope)
+                finally:
+                    self.history.close()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.router.aclose()
 
     async def drain(self, connect_scope: trio.CancelScope) -> None:
         """Tell the edge, refuse new runs, let in-flight ones finish within the grace period,

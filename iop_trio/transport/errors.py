@@ -17,3 +17,8 @@ class HeartbeatTimeout(TransportError):
 
 class HandshakeFailed(TransportError):
     """TLS handshake or registration did not complete (bad certificate, timeout, refusal)."""
+
+
+def broken_reason(exc: BaseException) -> str:
+    """Why a stream broke: trio's Broken/Closed errors often carry it only in ``__cause__``."""
+    return str(exc) or str(exc.__cause__ or "") or type(exc).__name__

@@ -12,7 +12,7 @@ import trio
 
 from ..wire import CLOSED, NEED_DATA, Codec, Message, ProtocolConnection
 from ..wire.framing import DEFAULT_MAX_FRAME_SIZE
-from .errors import ConnectionClosed
+from .errors import ConnectionClosed, broken_reason
 
 RECEIVE_CHUNK = 64 * 1024
 COALESCE_LIMIT = 256 * 1024
@@ -54,7 +54,7 @@ class FramedConnection:
         try:
             await self.stream.send_all(self.protocol.send(message))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+            raise ConnectionClosed(f"connection to {self.peer} broke: {broken_reason(exc)}") from exc
 
     async def receive(self) -> Message:
         """The next message from the peer. Raises ConnectionClosed at EOF or when the stream breaks,
@@ -65,7 +65,7 @@ class FramedConnection:
                 try:
                     data = await self.stream.receive_some(RECEIVE_CHUNK)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+                    raise ConnectionClosed(f"connection to {self.peer} broke: {broken_reason(exc)}") from exc
                 self.protocol.receive_data(data)
                 continue
             if message is CLOSED:
@@ -97,7 +97,7 @@ class FramedConnection:
                     try:
                         await self.stream.send_all(b"".join(batch) if len(batch) > 1 else data)
                     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                        raise ConnectionClosed(f"connection to {self.peer} broke: {_why(exc)}") from exc
+                        raise ConnectionClosed(f"connection to {self.peer} broke: {broken_reason(exc)}") from exc
         finally:
             self._writer_done.set()
 
@@ -119,7 +119,3 @@ class FramedConnection:
                     pass  # already broken: closing is all that was left to do
             await trio.aclose_forcefully(self.stream)
 
-
-def _why(exc: BaseException) -> str:
-    """trio's Broken/Closed errors often carry their reason only in ``__cause__``."""
-    return str(exc) or str(exc.__cause__ or "") or type(exc).__name__

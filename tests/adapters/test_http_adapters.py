@@ -260,7 +260,7 @@ async def test_deltas_usage_and_prompt_tokens(nursery, backend, kind) -> None:
         async with adapter_on(nursery, backend, Behaviour(tokens=5)) as (adapter, _):
             completion = await adapter.execute(make_spec(kind), sink)
     assert sink.text == words(5)
-    assert [tokens for _, tokens in sink.deltas] == [1] * 5
+    assert sum(tokens for _, tokens in sink.deltas) == 5  # what arrived together is one delta
     assert completion == Completion("stop", Usage(PROMPT_WORDS, 5))
     assert sink.prompt_tokens == [PROMPT_WORDS]
 
@@ -341,7 +341,7 @@ async def test_malformed_stream_is_a_protocol_error_after_the_good_deltas(nurser
             error = await execute_error(adapter, make_spec(kind), sink)
     assert error.code == "backend_protocol_error"
     assert sink.text == words(2)
-    assert len(sink.deltas) == 2
+    assert sum(tokens for _, tokens in sink.deltas) == 2
 
 
 async def test_nothing_listening_is_backend_unavailable(backend) -> None:
@@ -506,9 +506,9 @@ async def test_aclose_closes_the_client(nursery, backend) -> None:
     with trio.fail_after(LIMIT):
         async with adapter_on(nursery, backend, Behaviour(tokens=2)) as (adapter, recorder):
             await adapter.execute(make_spec(), RecordingSink())
-            assert not adapter._client.is_closed
+            assert not adapter._client.closed
             await adapter.aclose()
-            assert adapter._client.is_closed
+            assert adapter._client.closed
             with pytest.raises(RuntimeError, match="closed"):
                 await adapter.execute(make_spec(), RecordingSink())
     assert len(recorder.requests) == 1  # the closed adapter sent nothing
@@ -520,4 +520,4 @@ async def test_router_aclose_closes_every_adapter() -> None:
     assert sorted(type(a).__name__ for a in adapters) == ["OllamaAdapter", "VllmAdapter"]
     with trio.fail_after(LIMIT):
         await router.aclose()
-    assert all(isinstance(a, HttpAdapter) and a._client.is_closed for a in adapters)
+    assert all(isinstance(a, HttpAdapter) and a._client.closed for a in adapters)
