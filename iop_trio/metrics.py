@@ -37,6 +37,21 @@ class EdgeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # Label children bound once, not per request: ``.labels()`` costs a lock and a tuple build.
+        self._request_counts: dict[tuple[str, int], Counter] = {}
+        self._request_durations: dict[str, Histogram] = {}
+
+    def count_request(self, route: str, status: int) -> None:
+        counter = self._request_counts.get((route, status))
+        if counter is None:
+            counter = self._request_counts[route, status] = self.requests.labels(route=route, status=str(status))
+        counter.inc()
+
+    def observe_request(self, route: str, seconds: float) -> None:
+        histogram = self._request_durations.get(route)
+        if histogram is None:
+            histogram = self._request_durations[route] = self.request_duration.labels(route=route)
+        histogram.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,3 +59,14 @@ def run_error(code: str, message: str) -> ApiError:
     kind = "invalid_request_error" if status < 500 and status != 429 else "server_error"
     headers = {"Retry-After": "1"} if status == 429 else None
     return ApiError(status, message, type=kind, code=code, headers=headers)
+
+
+def method_not_allowed(method: str, path: str) -> ApiError:
+    return ApiError(405, f"Method {method} not allowed for {path}.")
+
+
+def body_too_large(limit: int) -> ApiError:
+    """413 without reading the body: ``Connection: close``, since the unread body is still on the
+    wire and the server would otherwise keep the connection waiting for it (the next request on it
+    would hang)."""
+    return ApiError(413, f"Request body exceeds the limit of {limit} bytes.", headers={"Connection": "close"})

@@ -10,8 +10,12 @@ from ..wire import Usage
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def json_bytes(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode("utf-8")
+
+
 def sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode("utf-8") + b"\n\n"
+    return b"data: " + json_bytes(data) + b"\n\n"
 
 
 def usage_body(usage: Usage) -> dict[str, int]:

@@ -6,6 +6,9 @@ Nursery tree::
     ├── IOP listener ── per node connection: writer, heartbeats, read loop
     └── hypercorn ───── per HTTP request: handler / SSE stream (each owns one EdgeRun)
 
+Hypercorn serves :class:`~.openai_asgi.OpenAIFastPath`: chat and text completions as raw ASGI,
+every other request through the Quart app (``create_app``).
+
 Shutdown: stop accepting HTTP, let in-flight requests finish within ``http.graceful_timeout``,
 then close the node connections.
 """
@@ -23,6 +26,7 @@ from ..config import EdgeConfig, parse_host_port
 from ..transport import serve_iop, server_context
 from .api import create_app
 from .iop import NodeAcceptor
+from .openai_asgi import OpenAIFastPath
 from .state import EdgeState
 
 log = logging.getLogger("iop_trio.edge")
@@ -72,7 +76,7 @@ async def run_edge(
                 with http_scope:
                     try:
                         await hypercorn_serve(
-                            create_app(state), hypercorn_config(config),
+                            OpenAIFastPath(state, create_app(state)), hypercorn_config(config),
                             shutdown_trigger=http_stop.wait, task_status=task_status,
                         )
                     except OSError as exc:
