@@ -1,5 +1,5 @@
-"""A small HTTP/1.1 client for the adapters' calls to their backend: h11 over trio streams, with
-keep-alive connections reused last-in first-out.
+"""A small HTTP/1.1 client for the adapters' calls to their backend: :mod:`.http11` over trio
+streams, with keep-alive connections reused last-in first-out.
 
 Why not httpx here (it stays the client of the worker, the CLI and the tests): on the node's hot
 path httpx + httpcore were a third of the node's CPU per run, their pool scans every pooled
@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
 from ..transport.errors import broken_reason
+from .http11 import ProtocolError, ResponseReader, encode_request
 
 RECEIVE_CHUNK = 64 * 1024
 USER_AGENT = b"iop-trio"
@@ -43,27 +43,15 @@ class BackendConnectionError(Exception):
 class _Connection:
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.http = h11.Connection(h11.CLIENT)
-        #: Bytes received so far: a request that failed before any came back was never answered.
-        self.received = 0
+        self.reader = ResponseReader()
 
-    async def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        while True:
-            try:
-                event = self.http.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise BackendConnectionError(f"backend broke HTTP/1.1: {exc}") from exc
-            if event is not h11.NEED_DATA:
-                return event
-            try:
-                data = await self.stream.receive_some(RECEIVE_CHUNK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise BackendConnectionError(broken_reason(exc)) from exc
-            self.received += len(data)
-            self.http.receive_data(bytes(data))
-
-    def reusable(self) -> bool:
-        return self.http.our_state is h11.DONE and self.http.their_state is h11.DONE
+    async def receive(self) -> None:
+        """Feed the reader what the connection delivers next."""
+        try:
+            data = await self.stream.receive_some(RECEIVE_CHUNK)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise BackendConnectionError(broken_reason(exc)) from exc
+        self.reader.feed(data)
 
     async def aclose(self) -> None:
         await trio.aclose_forcefully(self.stream)
@@ -72,32 +60,27 @@ class _Connection:
 class BackendResponse:
     """A response whose body is being received; read it with :meth:`receive_some`."""
 
-    def __init__(self, conn: _Connection, status: int) -> None:
+    def __init__(self, conn: _Connection) -> None:
         self._conn = conn
-        self.status = status
-        self.complete = False
+        self._reader = conn.reader
+        self.status = conn.reader.status
+
+    @property
+    def complete(self) -> bool:
+        return self._reader.complete
 
     async def receive_some(self) -> bytes:
         """The body bytes that arrived together (one network read, any number of chunks), or
         ``b""`` once the body has ended."""
-        pieces: list[bytes] = []
-        http = self._conn.http
-        while not self.complete:
+        reader = self._reader
+        while True:
             try:
-                event = http.next_event()
-            except h11.RemoteProtocolError as exc:
+                data = reader.read_body()
+            except ProtocolError as exc:
                 raise BackendConnectionError(f"backend broke HTTP/1.1: {exc}") from exc
-            if event is h11.NEED_DATA:
-                if pieces:
-                    break
-                event = await self._conn.next_event()
-            if isinstance(event, h11.Data):
-                pieces.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                self.complete = True
-            elif isinstance(event, h11.ConnectionClosed):
-                raise BackendConnectionError("backend closed the connection before the end of the body")
-        return b"".join(pieces)
+            if data or reader.complete:
+                return data
+            await self._conn.receive()
 
     async def read(self, limit: int) -> bytes:
         """The rest of the body, up to about ``limit`` bytes (error bodies, small JSON)."""
@@ -130,6 +113,7 @@ class BackendClient:
             (b"Host", host_header.encode()),
             (b"User-Agent", USER_AGENT),
             (b"Accept", b"*/*"),
+            (b"Content-Type", b"application/json"),
             *((name.encode(), value.encode()) for name, value in headers.items()),
         ]
         self._slots = trio.Semaphore(max_connections)
@@ -143,67 +127,55 @@ class BackendClient:
         Leaving before the body's end closes the connection (the backend sees its client go)."""
         if self.closed:
             raise RuntimeError("the backend client is closed")
-        headers = list(self._headers)
-        if body is not None:
-            headers += [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(body)).encode())]
-        request = h11.Request(method=method, target=(self._prefix + path).encode(), headers=headers)
+        request = encode_request(method, (self._prefix + path).encode(), self._headers, body)
         async with self._slots:
-            conn, response = await self._exchange(request, body)
+            conn, response = await self._exchange(request)
             try:
                 yield response
             finally:
-                if response.complete and conn.reusable() and not self.closed:
-                    conn.http.start_next_cycle()
+                if response.complete and conn.reader.keep_alive and not self.closed:
+                    conn.reader = ResponseReader()
                     self._idle.append(conn)
                 else:
                     with trio.CancelScope(shield=True):
                         await conn.aclose()
 
-    async def _exchange(self, request: h11.Request, body: bytes | None) -> tuple[_Connection, BackendResponse]:
+    async def _exchange(self, request: bytes) -> tuple[_Connection, BackendResponse]:
         """Send on a pooled connection (or a new one) and read the response head."""
         while self._idle:
             conn = self._idle.pop()
             try:
-                return conn, await self._send(conn, request, body)
+                return conn, await self._send(conn, request)
             except _StaleConnection:
-                await conn.aclose()  # closed by the backend while idle: it never saw this request
+                pass  # closed by the backend while idle: it never saw this request
         conn = await self._connect()
         try:
-            return conn, await self._send(conn, request, body)
+            return conn, await self._send(conn, request)
         except _StaleConnection as exc:
-            await conn.aclose()
             raise BackendConnectionError(str(exc)) from exc
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await conn.aclose()
-            raise
 
-    async def _send(self, conn: _Connection, request: h11.Request, body: bytes | None) -> BackendResponse:
-        http = conn.http
-        received_before = conn.received
-        data = http.send(request) or b""
-        if body is not None:
-            data += http.send(h11.Data(data=body)) or b""
-        data += http.send(h11.EndOfMessage()) or b""
+    async def _send(self, conn: _Connection, request: bytes) -> BackendResponse:
+        """Write the request, read the response head; on any failure the connection is closed."""
         try:
-            await conn.stream.send_all(data)
-            event = await conn.next_event()
-            while isinstance(event, h11.InformationalResponse):
-                event = await conn.next_event()
+            await conn.stream.send_all(request)
+            while not conn.reader.read_head():
+                await conn.receive()
+        except ProtocolError as exc:
+            failure = BackendConnectionError(f"backend broke HTTP/1.1: {exc}")
         except BackendConnectionError as exc:
-            if conn.received == received_before:  # not one byte of a response came back
-                raise _StaleConnection(str(exc)) from exc
-            raise
+            failure = exc
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise _StaleConnection(broken_reason(exc)) from exc
+            failure = BackendConnectionError(broken_reason(exc))
         except BaseException:
             with trio.CancelScope(shield=True):
                 await conn.aclose()
             raise
-        if isinstance(event, h11.ConnectionClosed):
-            raise _StaleConnection("backend closed the connection without answering")
-        assert isinstance(event, h11.Response)
-        return BackendResponse(conn, event.status_code)
+        else:
+            return BackendResponse(conn)
+        await conn.aclose()
+        if not conn.reader.received:
+            raise _StaleConnection(str(failure)) from failure
+        raise failure
 
     async def _connect(self) -> _Connection:
         try:
