@@ -148,10 +148,12 @@ class Exchange:
     async def send(self, message: ASGISendEvent) -> None:
         try:
             await self._send(message)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             # The ASGI spec has a server raise OSError on a send to a closed connection (hypercorn
             # reports http.disconnect instead): the client is gone, so end the request as if
-            # that had arrived.
+            # that had arrived. BusyResourceError: hypercorn closing the connection (at its
+            # keep_alive_max_requests) from another task while this send is in flight; seen when
+            # a client sends its next request the moment the last response arrives.
             self.gone.cancel()
             await trio.lowlevel.checkpoint()
 

@@ -325,11 +325,12 @@ async def test_a_client_leaving_before_the_run_starts_cancels_it(state, node, nu
     assert requests_counted(state, "/v1/chat/completions", 200) is None  # no response, nothing counted
 
 
-async def test_a_send_that_fails_ends_the_request_as_a_disconnect(state, node, nursery) -> None:
+@pytest.mark.parametrize("failure", [OSError("the connection is closed"), trio.BusyResourceError("hypercorn is closing it")])
+async def test_a_send_that_fails_ends_the_request_as_a_disconnect(state, node, nursery, failure) -> None:
     class GoneClient(Client):
         async def send(self, message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body":
-                raise OSError("the connection is closed")
+                raise failure
             await super().send(message)
 
     client = GoneClient(OpenAIFastPath(state, create_app(state)), "POST", "/v1/chat/completions")
