@@ -61,7 +61,10 @@ class RunRecorder:
     async def _submit(self, row: tuple[str, tuple[Any, ...]]) -> None:
         if self._running:
             try:
-                await self._send.send(row)
+                try:
+                    self._send.send_nowait(row)  # a memory operation: no need to yield
+                except trio.WouldBlock:
+                    await self._send.send(row)
                 return
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # the writer has stopped: write it ourselves

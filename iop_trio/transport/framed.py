@@ -38,10 +38,17 @@ class FramedConnection:
         self.last_received = trio.current_time()
 
     async def send(self, message: Message) -> None:
-        """Queue ``message`` for the writer; waits while the outbox is full."""
+        """Queue ``message`` for the writer; waits while the outbox is full.
+
+        With room in the outbox it returns without yielding: a run that emits several events
+        in a row queues them all before the writer wakes, and they go out as one TLS record
+        (every caller's loop still yields elsewhere, on its own I/O)."""
         data = self.protocol.send(message)
         try:
-            await self._outbox_send.send(data)
+            try:
+                self._outbox_send.send_nowait(data)
+            except trio.WouldBlock:
+                await self._outbox_send.send(data)
         except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
             raise ConnectionClosed(f"connection to {self.peer} is closed") from exc
 

@@ -325,6 +325,7 @@ async def test_flush_and_close_is_bounded_when_the_peer_never_reads(
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()  # the writer waits on the outbox
             for seq in range(4):
                 await conn.send(Heartbeat(seq=seq))
             start = trio.current_time()
