@@ -74,9 +74,15 @@ class RunInbox:
             return self._events.popleft()
         return None
 
+    def get_nowait(self) -> RunEvent | None:
+        """The next event if one is here, else None; RunLost once the run is lost and drained."""
+        if self._events:
+            return self._events.popleft()
+        if self._failure is not None:
+            raise self._failure
+        return None
+
     async def get(self) -> RunEvent:
-        while not self._events:
-            if self._failure is not None:
-                raise self._failure
+        while (event := self.get_nowait()) is None:
             await self._lot.park()
-        return self._events.popleft()
+        return event

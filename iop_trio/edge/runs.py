@@ -111,12 +111,8 @@ class EdgeRun:
         while True:
             assert self.inbox is not None
             try:
-                with trio.move_on_at(self.deadline_at) as overdue:
-                    event = await self.inbox.get()
-                if overdue.cancelled_caught:
-                    # The node enforces the deadline itself; this only catches a node that never
-                    # said how the run ended, so no client can wait forever.
-                    raise RunLost("deadline_exceeded", "the node did not finish the run within its deadline")
+                # An event already here needs no deadline scope (one per token was measurable).
+                event = self.inbox.get_nowait() or await self._wait_for_event(self.inbox)
             except RunLost as exc:
                 code, message = exc.code, exc.message
             else:
@@ -132,6 +128,13 @@ class EdgeRun:
             self._status = "cancelled" if code == "cancelled" else "error"
             self._error = message
             raise run_error(code, message)
+
+    async def _wait_for_event(self, inbox: RunInbox) -> RunEvent:
+        with trio.move_on_at(self.deadline_at):
+            return await inbox.get()
+        # The node enforces the deadline itself; this only catches a node that never said how
+        # the run ended, so no client can wait forever.
+        raise RunLost("deadline_exceeded", "the node did not finish the run within its deadline")
 
     def ready_delta(self) -> RunEvent | None:
         """A delta that has already arrived, or None: lets a stream send several in one write."""

@@ -16,6 +16,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: One decoder for every frame (``json.loads`` with a keyword builds a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 class Codec(Protocol):
     """Turns one message into one frame payload and back."""
 
@@ -53,7 +57,7 @@ class JsonCodec:
 
     def decode(self, payload: bytes) -> Message:
         try:
-            envelope: Any = json.loads(payload, parse_constant=_reject_constant)
+            envelope: Any = _DECODER.decode(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise RemoteProtocolError(f"frame payload is not valid JSON: {exc}") from exc
         if not isinstance(envelope, dict) or set(envelope) != {"type", "payload"}:
