@@ -41,6 +41,10 @@ class Capabilities:
 
 
 class RunSink(Protocol):
+    async def started(self) -> None:
+        """The backend accepted the run (answered with success headers, the program started).
+        Optional: the first delta, or the run's completion, implies it."""
+
     async def delta(self, text: str, tokens: int = 1) -> None:
         """Forward generated text; waits when the client side is slow (backpressure)."""
 

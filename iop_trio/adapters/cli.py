@@ -145,6 +145,7 @@ class CliAdapter:
         except OSError as exc:
             raise BackendError("backend_unavailable", f"cannot start {argv[0]}: {exc}") from exc
         assert process.stdin and process.stdout and process.stderr
+        await sink.started()
         stderr_tail = bytearray()
         try:
             # stdin, stdout and stderr are served at once: a program may fill one pipe while we

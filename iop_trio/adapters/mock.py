@@ -63,6 +63,7 @@ class MockAdapter:
             limit, finish_reason = spec.params.max_tokens, "length"
         offset = zlib.crc32(text.encode("utf-8"))
         produced = ""
+        await sink.started()
         await trio.sleep(options.ttft)
         for index in range(limit):
             if options.fail_after_tokens is not None and index >= options.fail_after_tokens:

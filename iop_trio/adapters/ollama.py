@@ -67,6 +67,7 @@ class OllamaAdapter(HttpAdapter):
             body["prompt"] = spec.prompt
         timeout = self.config.read_timeout
         async with open_stream(self._client, path, body, timeout) as response:
+            await sink.started()
             lines = LineReader(response, timeout)
             while (batch := await lines.next_batch()) is not None:
                 texts, completion, error = _read(batch, text_of)

@@ -63,6 +63,7 @@ class VllmAdapter(HttpAdapter):
             body["prompt"] = spec.prompt
         stream = _StreamState(spec.kind)
         async with open_stream(self._client, path, body, self.config.read_timeout) as response:
+            await sink.started()
             lines = LineReader(response, self.config.read_timeout)
             while not stream.done and (batch := await lines.next_batch()) is not None:
                 usage_before = stream.usage

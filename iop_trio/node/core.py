@@ -132,6 +132,8 @@ class NodeCore:
                 with trio.CancelScope(shield=True):
                     await self.history.end_run(request.run_id, outcome)
                 if not connection_lost:
+                    if outcome.status == "complete":
+                        await tracker.started()  # a run that produced no text still started
                     await send_final(conn, final_event(request.run_id, outcome, code, finish_reason))
             finally:
                 # Only now is the run over: a drain waiting for idleness must find its last
@@ -156,7 +158,6 @@ class NodeCore:
         """Run the adapter under the deadline; map every way it can end except cancellation."""
         with trio.move_on_after(deadline if deadline else math.inf) as deadline_scope:
             try:
-                await tracker.start()
                 completion: Completion = await route.adapter.execute(spec, tracker)
             except BackendError as exc:
                 return tracker.outcome("error", error=exc.message), exc.code, None

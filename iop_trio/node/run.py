@@ -20,11 +20,19 @@ class RunTracker:
         self.first_token_at: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.start_sent = False
 
-    async def start(self) -> None:
-        await self.conn.send(RunEvent(run_id=self.run_id, kind="start"))
+    async def started(self) -> None:
+        """Send ``start`` once: when the adapter says the backend accepted the run, or with the
+        first delta, or before ``complete``. Not earlier: a backend that refuses the run (down,
+        unknown model) then reaches the client as an HTTP status, not as an error inside a 200
+        stream; and ``start`` mostly shares a TLS record with what follows it."""
+        if not self.start_sent:
+            self.start_sent = True
+            await self.conn.send(RunEvent(run_id=self.run_id, kind="start"))
 
     async def delta(self, text: str, tokens: int = 1) -> None:
+        await self.started()
         if self.first_token_at is None:
             self.first_token_at = trio.current_time()
         self.completion_tokens += tokens

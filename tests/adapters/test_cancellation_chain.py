@@ -127,8 +127,14 @@ async def stream_then_leave(stack: Stack, wait_for: trio.Event, chunks: int = 0)
 
 
 async def test_client_leaving_while_the_backend_queues(adapter, tmp_path, nursery) -> None:
+    """No response headers yet: the run starts for the client when the backend accepts it."""
     stack = await start_stack(nursery, tmp_path, adapter, Behaviour(queue_delay=60))
-    gone_at = await stream_then_leave(stack, stack.recorder.received)
+    async with httpx.AsyncClient(timeout=30) as client:
+        with trio.CancelScope() as request_scope:
+            nursery.start_soon(_cancel_when, stack.recorder.received, request_scope)
+            await client.post(f"{stack.url}/v1/chat/completions", json={**BODY, "stream": True})
+        gone_at = trio.current_time()
+    assert request_scope.cancelled_caught
     await assert_backend_stopped(stack, gone_at, "queued")
 
 

@@ -19,6 +19,7 @@ from iop_trio.adapters.cli import CliAdapter, CliAdapterConfig, CliOptions, Word
 from iop_trio.config import ConfigError, ModelConfig, NodeSettings
 from iop_trio.node.router import Router
 from iop_trio.wire import ChatMessage, RunRequest, SamplingParams, Usage
+from tests.adapters.sinks import RecordingSink
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
@@ -26,31 +27,6 @@ PY = sys.executable
 
 def script(name: str, *args: str) -> tuple[str, ...]:
     return (PY, str(SCRIPTS / name), *args)
-
-
-class RecordingSink:
-    """Records every delta with the time it arrived; optionally cancels a scope on the first one."""
-
-    def __init__(self, cancel: trio.CancelScope | None = None) -> None:
-        self.deltas: list[tuple[float, str, int]] = []
-        self.prompt_tokens: list[int] = []
-        self.cancel = cancel
-
-    async def delta(self, text: str, tokens: int = 1) -> None:
-        self.deltas.append((trio.current_time(), text, tokens))
-        if self.cancel is not None:
-            self.cancel.cancel()
-
-    def report_prompt_tokens(self, count: int) -> None:
-        self.prompt_tokens.append(count)
-
-    @property
-    def text(self) -> str:
-        return "".join(text for _, text, _ in self.deltas)
-
-    @property
-    def tokens(self) -> int:
-        return sum(tokens for _, _, tokens in self.deltas)
 
 
 def spec(

@@ -32,6 +32,7 @@ from iop_trio.adapters.vllm import VllmOptions
 from iop_trio.config import ModelConfig, NodeSettings
 from iop_trio.node.router import Router
 from iop_trio.wire import ChatMessage, RunRequest, SamplingParams, Usage
+from tests.adapters.sinks import RecordingSink
 from tests.doubles.backends import WORDS, Behaviour, Recorder, ollama_app, openai_app, serve_double
 
 #: The double's app and the path prefix its adapter's base_url needs.
@@ -41,22 +42,6 @@ MESSAGES = (ChatMessage("system", "be brief"), ChatMessage("user", "hello there"
 PROMPT = "once upon a time"
 PROMPT_WORDS = 4  # what the doubles count as prompt tokens for MESSAGES and for PROMPT
 LIMIT = 5.0  # per-test bound for everything that does not wait on purpose
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.deltas: list[tuple[str, int]] = []
-        self.prompt_tokens: list[int] = []
-
-    async def delta(self, text: str, tokens: int = 1) -> None:
-        self.deltas.append((text, tokens))
-
-    def report_prompt_tokens(self, count: int) -> None:
-        self.prompt_tokens.append(count)
-
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.deltas)
 
 
 def words(count: int) -> str:
@@ -260,7 +245,8 @@ async def test_deltas_usage_and_prompt_tokens(nursery, backend, kind) -> None:
         async with adapter_on(nursery, backend, Behaviour(tokens=5)) as (adapter, _):
             completion = await adapter.execute(make_spec(kind), sink)
     assert sink.text == words(5)
-    assert sum(tokens for _, tokens in sink.deltas) == 5  # what arrived together is one delta
+    assert sink.tokens == 5  # what arrived together is one delta
+    assert sink.started_at is not None and sink.started_at <= sink.times[0]
     assert completion == Completion("stop", Usage(PROMPT_WORDS, 5))
     assert sink.prompt_tokens == [PROMPT_WORDS]
 
@@ -327,6 +313,7 @@ async def test_error_status_maps_to_a_stable_code(nursery, backend, status, code
         async with adapter_on(nursery, backend, Behaviour(fail_status=status)) as (adapter, _):
             error = await execute_error(adapter, make_spec(), sink)
     assert error.code == code
+    assert sink.started_at is None  # refused: the run never started, the client gets a status
     assert "double says no" in error.message  # the backend's own words, from either error shape
     assert sink.deltas == []
 
@@ -341,7 +328,7 @@ async def test_malformed_stream_is_a_protocol_error_after_the_good_deltas(nurser
             error = await execute_error(adapter, make_spec(kind), sink)
     assert error.code == "backend_protocol_error"
     assert sink.text == words(2)
-    assert sum(tokens for _, tokens in sink.deltas) == 2
+    assert sink.tokens == 2
 
 
 async def test_nothing_listening_is_backend_unavailable(backend) -> None:

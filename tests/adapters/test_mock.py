@@ -9,32 +9,7 @@ from trio.testing import MockClock
 from iop_trio.adapters import ADAPTERS, BackendError, Completion, ExecutionSpec
 from iop_trio.adapters.mock import WORDS, MockAdapter, MockAdapterConfig, MockOptions
 from iop_trio.wire import ChatMessage, SamplingParams, Usage
-
-
-class RecordingSink:
-    """Records every delta with the (virtual) time it arrived."""
-
-    def __init__(self) -> None:
-        self.deltas: list[tuple[float, str, int]] = []
-        self.prompt_tokens: list[int] = []
-
-    async def delta(self, text: str, tokens: int = 1) -> None:
-        self.deltas.append((trio.current_time(), text, tokens))
-
-    def report_prompt_tokens(self, count: int) -> None:
-        self.prompt_tokens.append(count)
-
-    @property
-    def text(self) -> str:
-        return "".join(text for _, text, _ in self.deltas)
-
-    @property
-    def times(self) -> list[float]:
-        return [when for when, _, _ in self.deltas]
-
-    @property
-    def tokens(self) -> int:
-        return sum(tokens for _, _, tokens in self.deltas)
+from tests.adapters.sinks import RecordingSink
 
 
 def spec(

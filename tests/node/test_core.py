@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import trio
 
-from iop_trio.wire import CancelRequest, ChatMessage, Error, RunRequest, SamplingParams
+from iop_trio.node.run import RunTracker
+from iop_trio.wire import CancelRequest, ChatMessage, Error, RunEvent, RunRequest, SamplingParams
 
 
 def request(run_id: str, deadline: float | None = None, max_tokens: int | None = None) -> RunRequest:
@@ -170,3 +171,24 @@ async def test_the_terminal_event_waits_for_a_backed_up_connection_and_is_never_
     event = RunEvent(run_id="r1", kind="complete", finish_reason="stop")
     await send_final(conn, event)  # type: ignore[arg-type]
     assert conn.sent == [event]
+
+
+class RecordingConnection:
+    def __init__(self) -> None:
+        self.sent: list[RunEvent] = []
+
+    async def send(self, message: RunEvent) -> None:
+        self.sent.append(message)
+
+
+async def test_start_goes_once_when_the_backend_accepts_or_with_the_first_delta() -> None:
+    accepted, implied = RecordingConnection(), RecordingConnection()
+    tracker = RunTracker(accepted, "r1")  # type: ignore[arg-type]
+    await tracker.started()
+    await tracker.started()
+    await tracker.delta("a")
+    lazy = RunTracker(implied, "r2")  # type: ignore[arg-type]
+    await lazy.delta("a")
+    await lazy.delta("b")
+    assert [e.kind for e in accepted.sent] == ["start", "delta"]
+    assert [e.kind for e in implied.sent] == ["start", "delta", "delta"]
