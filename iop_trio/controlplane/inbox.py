@@ -68,11 +68,10 @@ class RunInbox:
         self._failure = RunLost(code, message)
         self._lot.unpark_all()
 
-    def ready_delta(self) -> RunEvent | None:
-        """The next event if it is a delta already here, without waiting (for coalescing)."""
-        if self._events and self._events[0].kind == "delta":
-            return self._events.popleft()
-        return None
+    @property
+    def ready(self) -> bool:
+        """An event, or the run's loss, is here: :meth:`get` would not wait."""
+        return bool(self._events) or self._failure is not None
 
     def get_nowait(self) -> RunEvent | None:
         """The next event if one is here, else None; RunLost once the run is lost and drained."""

@@ -136,12 +136,9 @@ class EdgeRun:
         # the run ended, so no client can wait forever.
         raise RunLost("deadline_exceeded", "the node did not finish the run within its deadline")
 
-    def ready_delta(self) -> RunEvent | None:
-        """A delta that has already arrived, or None: lets a stream send several in one write."""
-        event = self.inbox.ready_delta() if self.inbox is not None else None
-        if event is not None:
-            self._account(event)
-        return event
+    def event_ready(self) -> bool:
+        """Whether :meth:`next_event` would return (or raise) without waiting."""
+        return self.inbox is not None and self.inbox.ready
 
     def _account(self, event: RunEvent) -> None:
         if event.kind == "start":

@@ -214,15 +214,14 @@ async def test_fail_after_run_ended_is_a_noop(
     assert scope.cancelled_caught
 
 
-async def test_ready_delta_takes_only_deltas_already_there() -> None:
+async def test_ready_says_whether_get_would_wait() -> None:
     inbox = RunInbox()
-    assert inbox.ready_delta() is None
+    assert not inbox.ready
     inbox.put(RunEvent(run_id="r", kind="start"))
-    assert inbox.ready_delta() is None  # a start is not a delta: left for get()
+    assert inbox.ready
     assert (await inbox.get()).kind == "start"
-    inbox.put(RunEvent(run_id="r", kind="delta", text="a", tokens=1))
-    inbox.put(RunEvent(run_id="r", kind="delta", text="b", tokens=1))
-    inbox.put(RunEvent(run_id="r", kind="complete"))
-    assert [inbox.ready_delta().text, inbox.ready_delta().text] == ["a", "b"]
-    assert inbox.ready_delta() is None  # the terminal event stays for get()
-    assert (await inbox.get()).kind == "complete"
+    assert not inbox.ready
+    inbox.fail("node_lost", "gone")
+    assert inbox.ready  # get() raises at once
+    with pytest.raises(RunLost):
+        await inbox.get()

@@ -269,6 +269,7 @@ async def test_a_stream_as_openai_sends_it(state, node, nursery) -> None:
         assert client.messages[2]["body"].count(b"data: ") == 2
         await emit(state, run_id, "complete", finish_reason="stop", usage=Usage(3, 2))
         await client.finished.wait()
+    assert client.messages[3]["body"].count(b"data: ") == 3  # finish, usage and [DONE]: one write
     events = [json.loads(line.removeprefix("data: ")) for line in client.events()[:-1]]
     assert client.events()[-1] == "data: [DONE]"
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -303,7 +304,7 @@ async def test_a_client_leaving_mid_stream_cancels_the_run(state, node, nursery)
         (run_id,) = run_ids(node)
         await emit(state, run_id, "start")
         await emit(state, run_id, "delta", text="a", tokens=1)
-        await client.wait_for(lambda: len(client.messages) == 3)
+        await client.wait_for(lambda: b'"content":"a"' in client.body)
         await client.to_app.send({"type": "http.disconnect"})
         await client.finished.wait()  # the handler ended without an error
     assert cancelled(node) == [run_id]
