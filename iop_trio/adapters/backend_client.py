@@ -113,9 +113,9 @@ class BackendClient:
             (b"Host", host_header.encode()),
             (b"User-Agent", USER_AGENT),
             (b"Accept", b"*/*"),
-            (b"Content-Type", b"application/json"),
             *((name.encode(), value.encode()) for name, value in headers.items()),
         ]
+        self._json_headers = [*self._headers, (b"Content-Type", b"application/json")]
         self._slots = trio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
         self.closed = False
@@ -127,7 +127,8 @@ class BackendClient:
         Leaving before the body's end closes the connection (the backend sees its client go)."""
         if self.closed:
             raise RuntimeError("the backend client is closed")
-        request = encode_request(method, (self._prefix + path).encode(), self._headers, body)
+        headers = self._headers if body is None else self._json_headers
+        request = encode_request(method, (self._prefix + path).encode(), headers, body)
         async with self._slots:
             conn, response = await self._exchange(request)
             try:

@@ -132,14 +132,22 @@ async def open_stream(
             raise BackendError("backend_unavailable", f"cannot reach backend at {client.base_url}: {exc}") from exc
         except BackendConnectionError as exc:
             raise BackendError("backend_error", f"backend connection failed: {exc}") from exc
+        if response.status >= 400:
+            raise status_error(response.status, await _error_body(response, min(read_timeout, 5.0)))
         try:
-            if response.status >= 400:
-                with trio.move_on_after(min(read_timeout, 5.0)):
-                    raise status_error(response.status, error_detail(await response.read(ERROR_BODY_LIMIT)))
-                raise status_error(response.status, "(no error body within 5s)")
             yield response
         except BackendConnectionError as exc:
             raise BackendError("backend_error", f"backend connection broke mid-stream: {exc}") from exc
+
+
+async def _error_body(response: BackendResponse, wait: float) -> str:
+    """What the backend said about its error status, as far as it arrives within ``wait``."""
+    with trio.move_on_after(wait):
+        try:
+            return error_detail(await response.read(ERROR_BODY_LIMIT))
+        except BackendConnectionError as exc:
+            return f"(error body cut off: {exc})"
+    return f"(no error body within {wait:g}s)"
 
 
 class LineReader:

@@ -5,11 +5,13 @@ pieces the network delivered."""
 
 from __future__ import annotations
 
+import ssl
 from functools import partial
 
 import h11
 import pytest
 import trio
+import trustme
 
 from iop_trio.adapters.backend_client import BackendClient, BackendUnreachable
 
@@ -167,3 +169,23 @@ async def test_a_closed_client_refuses_requests() -> None:
 def test_only_http_urls_are_accepted() -> None:
     with pytest.raises(ValueError, match="http"):
         BackendClient("ftp://example", headers={}, max_connections=1, connect_timeout=1.0)
+
+
+async def test_an_https_backend_is_reached_over_tls(nursery) -> None:
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    backend = Backend()
+
+    async def handle_tls(stream: trio.SocketStream) -> None:
+        await backend.handle(trio.SSLStream(stream, server_context, server_side=True))  # type: ignore[arg-type]
+
+    listeners = await nursery.start(partial(trio.serve_tcp, handle_tls, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    client = BackendClient(f"https://localhost:{port}/v1", headers={}, max_connections=2, connect_timeout=2.0)
+    ca.configure_trust(client._tls)  # the system's CAs would not know this test CA
+    with trio.fail_after(LIMIT):
+        assert await fetch(client) == b"alpha bravo charlie"
+        assert await fetch(client) == b"alpha bravo charlie"
+    assert backend.connections == 1  # kept alive over TLS too
+    await client.aclose()
