@@ -167,13 +167,13 @@ def batch_blueprint(config: EdgeConfig) -> Blueprint:
     async def find_file(file_id: str) -> FileRecord:
         record = await store().get_file(file_id)
         if record is None:
-            raise ApiError(404, f"No such File object: {file_id}", param="id")
+            raise file_not_found(file_id)
         return record
 
     async def find_batch(batch_id: str) -> Batch:
         batch = await store().get_batch(batch_id)
         if batch is None:
-            raise ApiError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
+            raise batch_not_found(batch_id)
         return batch
 
     @blueprint.post("/v1/files")
@@ -218,7 +218,7 @@ def batch_blueprint(config: EdgeConfig) -> Blueprint:
     @blueprint.delete("/v1/files/<file_id>")
     async def delete_file(file_id: str) -> Response:
         if not await store().delete_file(file_id):
-            raise ApiError(404, f"No such File object: {file_id}", param="id")
+            raise file_not_found(file_id)
         return json_response({"id": file_id, "object": "file", "deleted": True})
 
     @blueprint.get("/v1/files/<file_id>/content")
@@ -227,7 +227,7 @@ def batch_blueprint(config: EdgeConfig) -> Blueprint:
         try:
             handle = await trio.open_file(store().path_of(file_id), "rb")
         except FileNotFoundError as exc:
-            raise ApiError(404, f"No such File object: {file_id}", param="id") from exc
+            raise file_not_found(file_id) from exc
 
         async def chunks() -> AsyncIterator[bytes]:
             async with handle:
@@ -249,7 +249,7 @@ def batch_blueprint(config: EdgeConfig) -> Blueprint:
         metadata = metadata_of(body)
         record = await store().get_file(input_file_id)
         if record is None:
-            raise ApiError(404, f"No such File object: {input_file_id}", param="input_file_id")
+            raise file_not_found(input_file_id, param="input_file_id")
         if record.purpose != "batch":
             raise invalid(f"File {input_file_id} was not uploaded with purpose 'batch'.", "input_file_id")
         batch = await store().create_batch(
@@ -278,9 +278,17 @@ def batch_blueprint(config: EdgeConfig) -> Blueprint:
     async def cancel_batch(batch_id: str) -> Response:
         batch = await store().cancel_batch(batch_id, time.time())
         if batch is None:
-            raise ApiError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
+            raise batch_not_found(batch_id)
         if batch.status not in ("cancelling", "cancelled"):
             raise invalid(f"Cannot cancel batch {batch_id}: its status is '{batch.status}'.")
         return json_response(batch_object(batch))
 
     return blueprint
+
+
+def file_not_found(file_id: str, param: str = "id") -> ApiError:
+    return ApiError(404, f"No such File object: {file_id}", param=param)
+
+
+def batch_not_found(batch_id: str) -> ApiError:
+    return ApiError(404, f"No batch found with id '{batch_id}'.", param="batch_id")
