@@ -9,9 +9,9 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -19,6 +19,18 @@ import pytest
 import yaml
 
 STARTUP_TIMEOUT = 30.0
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], timeout: float = 10.0, what: Callable[[], str] = lambda: "the condition") -> T:
+    """Poll ``check`` until it returns something truthy, and return that. These tests drive real
+    processes on a real clock, so this is a plain sleep loop; ``what`` describes a timeout."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what()}")
+        time.sleep(0.02)
+    return result
 
 
 def iop_trio(*args: str) -> list[str]:
@@ -154,13 +166,11 @@ class Cluster:
         return self.edge.ready["http"]
 
     def wait_for_models(self, *models: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            listed = httpx.get(f"{self.url}/v1/models", headers=self.auth_headers()).json()
-            if set(models) <= {m["id"] for m in listed.get("data", [])}:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"models {models} never appeared")
+        def listed() -> bool:
+            data = httpx.get(f"{self.url}/v1/models", headers=self.auth_headers()).json().get("data", [])
+            return set(models) <= {m["id"] for m in data}
+
+        eventually(listed, timeout, lambda: f"models {models} never appeared")
 
     def auth_headers(self) -> dict[str, str]:
         keys = yaml.safe_load(self.edge_config.read_text())["api_keys"]
@@ -174,22 +184,20 @@ class Cluster:
 
     def wait_for_ended_runs(self, node_id: str, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
         """The node's history once ``count`` runs have ended (it is written in batches, ~50 ms late)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ended() -> list[dict[str, Any]] | None:
             rows = self.runs(node_id)
-            if sum(r["status"] != "running" for r in rows) >= count:
-                return rows
-            time.sleep(0.05)
-        raise AssertionError(f"fewer than {count} ended runs on {node_id}: {self.runs(node_id)}")
+            return rows if sum(r["status"] != "running" for r in rows) >= count else None
+
+        return eventually(ended, timeout, lambda: f"fewer than {count} ended runs on {node_id}: {self.runs(node_id)}")
 
     def wait_for_run(self, node_id: str, status: str, timeout: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ended = [r for r in self.runs(node_id) if r["status"] == status]
-            if ended:
-                return ended[-1]
-            time.sleep(0.05)
-        raise AssertionError(f"no {status} run on {node_id}: {self.runs(node_id)}")
+        """The latest run on ``node_id`` with ``status``, once there is one."""
+        runs = eventually(
+            lambda: [r for r in self.runs(node_id) if r["status"] == status], timeout,
+            lambda: f"no {status} run on {node_id}: {self.runs(node_id)}",
+        )
+        return runs[-1]
 
     def stop(self) -> None:
         for sdk in self._clients:

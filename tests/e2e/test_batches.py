@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from .conftest import Cluster, Process, iop_trio
+from .conftest import Cluster, Process, eventually, iop_trio
 
 pytestmark = pytest.mark.e2e
 
@@ -67,22 +67,18 @@ class Batches:
         return self.client.batches.create(input_file_id=input_file_id, endpoint=endpoint, completion_window="24h").id
 
     def wait(self, batch_id: str, *statuses: str, timeout: float = 30.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def reached() -> Any:
             batch = self.client.batches.retrieve(batch_id)
-            if batch.status in statuses:
-                return batch
-            time.sleep(0.05)
-        raise AssertionError(f"batch {batch_id} never reached {statuses}: {batch}")
+            return batch if batch.status in statuses else None
+
+        return eventually(reached, timeout, lambda: f"batch {batch_id} never reached {statuses}")
 
     def wait_completed(self, batch_id: str, at_least: int, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def completed() -> Any:
             batch = self.client.batches.retrieve(batch_id)
-            if batch.request_counts and batch.request_counts.completed >= at_least:
-                return batch
-            time.sleep(0.02)
-        raise AssertionError(f"batch {batch_id} never completed {at_least} lines")
+            return batch if batch.request_counts and batch.request_counts.completed >= at_least else None
+
+        return eventually(completed, timeout, lambda: f"batch {batch_id} never completed {at_least} lines")
 
     def read(self, file_id: str | None) -> list[dict[str, Any]]:
         if file_id is None:
@@ -90,10 +86,7 @@ class Batches:
         return [json.loads(line) for line in self.client.files.content(file_id).text.splitlines()]
 
     def wait_node_run(self, model: str, status: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.node_runs(model)[status]:
-            assert time.monotonic() < deadline, f"no {status} run of {model}: {self.node_runs(model)}"
-            time.sleep(0.05)
+        eventually(lambda: self.node_runs(model)[status], timeout, lambda: f"no {status} run of {model}: {self.node_runs(model)}")
 
     def node_runs(self, model: str) -> Counter[str]:
         db = self.cluster.workdir / "data" / "node-a" / "runs.db"
@@ -320,9 +313,12 @@ def test_up_embeds_a_worker(tmp_path: Path) -> None:
             with path.open("rb") as handle:
                 input_file_id = client.files.create(file=handle, purpose="batch").id
             batch_id = client.batches.create(input_file_id=input_file_id, endpoint=CHAT, completion_window="24h").id
-            deadline = time.monotonic() + 20
-            while (batch := client.batches.retrieve(batch_id)).status != "completed" and time.monotonic() < deadline:
-                time.sleep(0.1)
+
+            def completed() -> Any:
+                batch = client.batches.retrieve(batch_id)
+                return batch if batch.status == "completed" else None
+
+            batch = eventually(completed, 20, lambda: f"batch {batch_id} never completed")
             assert batch.status == "completed" and batch.request_counts.completed == 3
             assert (tmp_path / "data" / "edge" / "files" / batch.output_file_id).is_file()
         up.signal(signal.SIGINT)

@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from .conftest import Cluster
+from .conftest import Cluster, eventually
 
 pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -42,13 +42,6 @@ def in_thread(target, **kwargs):
     return join
 
 
-def wait_until(predicate, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.02)
-
-
 def test_kill_9_retries_runs_before_first_token_and_fails_streams_mid_way(tmp_path) -> None:
     cluster = Cluster(tmp_path)
     try:
@@ -57,7 +50,7 @@ def test_kill_9_retries_runs_before_first_token_and_fails_streams_mid_way(tmp_pa
         cluster.wait_for_models("m", "s")
         client = cluster.client(timeout=30)
         waiting = [in_thread(client.chat.completions.create, model="m", messages=MESSAGES) for _ in range(2)]
-        wait_until(lambda: len([r for r in cluster.runs("node-a") if r["status"] == "running"]) == 2)
+        eventually(lambda: len([r for r in cluster.runs("node-a") if r["status"] == "running"]) == 2)
         stream = client.chat.completions.create(model="s", messages=MESSAGES, stream=True)
         chunks = iter(stream)
         for _ in range(3):
@@ -108,7 +101,7 @@ def test_a_saturated_fleet_answers_429_with_retry_after(tmp_path) -> None:
         cluster.wait_for_models("s")
         client = cluster.client()
         running = in_thread(client.chat.completions.create, model="s", messages=MESSAGES)
-        wait_until(lambda: cluster.runs("node-a"))
+        eventually(lambda: cluster.runs("node-a"))
         queued = in_thread(client.chat.completions.create, model="s", messages=MESSAGES)
         time.sleep(0.2)
         with pytest.raises(openai.RateLimitError) as refused:
