@@ -19,7 +19,8 @@ class NodeRegistry:
         self._by_model: dict[str, dict[str, NodeSession]] = {}
 
     def add(self, session: NodeSession) -> None:
-        """Register ``session``; a node re-registering replaces (and disconnects) its old session."""
+        """Register ``session``; a node re-registering replaces (and disconnects) its old session.
+        Both sessions' ``on_change`` hooks run, so the scheduler sees the change at once."""
         old = self._nodes.get(session.node_id)
         if old is not None:
             self._unindex(old)
@@ -29,11 +30,18 @@ class NodeRegistry:
         if old is not None:
             log.info("node re-registered; replacing old connection", extra={"node_id": session.node_id})
             old.replace()
+            old.on_change(old)
+        session.on_change(session)
 
     def remove(self, session: NodeSession) -> None:
         if self._nodes.get(session.node_id) is session:
             del self._nodes[session.node_id]
             self._unindex(session)
+            session.on_change(session)
+
+    def holds(self, session: NodeSession) -> bool:
+        """Whether ``session`` is the registered one for its node id (not removed, not replaced)."""
+        return self._nodes.get(session.node_id) is session
 
     def _unindex(self, session: NodeSession) -> None:
         for model in session.info.models:
@@ -49,8 +57,8 @@ class NodeRegistry:
     def sessions(self) -> list[NodeSession]:
         return list(self._nodes.values())
 
-    def serving(self, model: str) -> list[NodeSession]:
-        return list(self._by_model.get(model, {}).values())
+    def serves(self, model: str) -> bool:
+        return model in self._by_model
 
     def models(self) -> dict[str, list[str]]:
         """Model -> ids of the nodes serving it, sorted by model name."""

@@ -2,9 +2,10 @@
 
 Candidates are the nodes that serve the model, are neither draining nor gone, are allowed by
 placement policy, and were not already tried for this request. Among those with a free slot the
-least loaded relative to its ``max_concurrency`` wins (a full scan: with per-model candidate
-lists this is cheap and strictly better than power-of-two choices). A slot is reserved in the
-same step as the decision, so no node is ever given more runs than its ``max_concurrency``.
+least loaded relative to its ``max_concurrency`` wins (exactly, not power-of-two choices: each
+model's nodes are kept ordered by load in a :class:`~.pool.NodePool`, so a pick is O(log n) even
+with thousands of nodes). A slot is reserved in the same step as the decision, so no node is ever
+given more runs than its ``max_concurrency``.
 
 When every candidate is full the request waits in its model's queue: a heap ordered by priority
 (higher first), then arrival. The queue is bounded (``queue.max_waiting``) and so is the wait
@@ -24,6 +25,7 @@ from attrs import define, field
 from ..config import QueueConfig
 from .inbox import RunInbox
 from .policy import Placement
+from .pool import NodePool
 from .registry import NodeRegistry
 from .session import NodeSession
 
@@ -66,6 +68,8 @@ class Scheduler:
         self._queues: dict[str, list[tuple[int, int, Waiter]]] = {}
         self._waiting: dict[str, int] = {}
         self._arrivals = itertools.count()
+        self._pools: dict[str, NodePool] = {}
+        self._registrations = itertools.count()
 
     def waiting(self, model: str) -> int:
         return self._waiting.get(model, 0)
@@ -73,38 +77,33 @@ class Scheduler:
     def total_waiting(self) -> int:
         return sum(self._waiting.values())
 
-    def candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> list[NodeSession]:
-        return [
-            session
-            for session in self.registry.serving(model)
-            if session.schedulable
-            and session.node_id not in exclude
-            and self.placement.allows(model, session.info.labels)
-        ]
+    def has_candidates(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Whether some node could take ``model`` now or once it has a free slot."""
+        pool = self._pools.get(model)
+        return pool is not None and pool.any_eligible(exclude)
 
-    def check_servable(self, model: str, exclude: frozenset[str] = frozenset()) -> list[NodeSession]:
-        """The request's candidates; fail fast when no node could ever take it, rather than queue it."""
+    def check_servable(self, model: str, exclude: frozenset[str] = frozenset()) -> NodePool:
+        """The model's pool; fail fast when no node could ever take the request, rather than queue it."""
         if not len(self.registry):
             raise NoNodeAvailable(503, "no_node_available", "no inference node is connected", retry_after=1)
-        if not self.registry.serving(model):
+        if not self.registry.serves(model):
             raise NoNodeAvailable(404, "model_not_found", f"The model `{model}` does not exist or no node serves it.")
-        candidates = self.candidates(model, exclude)
-        if not candidates:
+        if not self.has_candidates(model, exclude):
             raise NoNodeAvailable(
                 503, "no_node_available", f"no node can take `{model}` now (draining, placement or failed)",
                 retry_after=1,
             )
-        return candidates
+        return self._pools[model]
 
     async def acquire(
         self, model: str, run_id: str, priority: int = 0, exclude: frozenset[str] = frozenset()
     ) -> Grant:
         """A node with a slot reserved for ``run_id``; waits in the model's queue when all are full."""
-        candidates = self.check_servable(model, exclude)
+        pool = self.check_servable(model, exclude)
         if not self.waiting(model):
-            session = least_loaded(candidates)
+            session = pool.pick(exclude)
             if session is not None:  # a free slot and nobody ahead: no queueing at all
-                return Grant(session, session.reserve(run_id))
+                return Grant(session, self._reserve(session, run_id))
         if self.waiting(model) >= self.queue.max_waiting:
             raise NoNodeAvailable(
                 429, "queue_full", f"every node serving `{model}` is busy and its queue is full", retry_after=1
@@ -131,45 +130,56 @@ class Scheduler:
     def _abandon(self, waiter: Waiter) -> None:
         if waiter.session is not None:
             # Granted, but the client left before it could use the slot: give it back.
-            waiter.session.runs.pop(waiter.run_id, None)
-            self.release(waiter.session)
+            waiter.session.free(waiter.run_id)
         elif not waiter.abandoned:
             waiter.abandoned = True
             self._waiting[waiter.model] -= 1
 
-    def release(self, session: NodeSession) -> None:
-        """A slot on ``session`` freed up (or the node just registered): serve the queues."""
+    def update(self, session: NodeSession) -> None:
+        """``session`` joined or left the registry, freed a slot or began draining: re-rank it,
+        then hand its free slots to the queues (every session's ``on_change``)."""
+        self._rank(session)
         for model in session.info.models:
             if self.waiting(model):
                 self._dispatch(model)
+
+    def _rank(self, session: NodeSession) -> None:
+        for model in session.info.models:
+            pool = self._pools.get(model)
+            if pool is None:
+                pool = self._pools[model] = NodePool(self._registrations)
+            pool.update(
+                session,
+                session.schedulable
+                and self.registry.holds(session)
+                and self.placement.allows(model, session.info.labels),
+            )
+
+    def _reserve(self, session: NodeSession, run_id: str) -> RunInbox:
+        inbox = session.reserve(run_id)
+        self._rank(session)
+        return inbox
 
     def _dispatch(self, model: str) -> None:
         """Hand free slots to waiters in priority order. A waiter that cannot use any free node
         (a retry excluding the nodes that failed it) is skipped, not allowed to block the rest."""
         queue = self._queues.get(model)
-        candidates = self.candidates(model)
+        pool = self._pools.get(model)
+        if not queue or pool is None:
+            return
         skipped: list[tuple[int, int, Waiter]] = []
-        while queue and any(s.has_capacity for s in candidates):
+        while queue and pool.pick() is not None:
             item = heapq.heappop(queue)
             waiter = item[2]
             if waiter.abandoned:
                 continue
-            session = least_loaded([s for s in candidates if s.node_id not in waiter.exclude])
+            session = pool.pick(waiter.exclude)
             if session is None:
                 skipped.append(item)
                 continue
             self._waiting[model] -= 1
             waiter.session = session
-            waiter.inbox = session.reserve(waiter.run_id)
+            waiter.inbox = self._reserve(session, waiter.run_id)
             waiter.granted.set()
         for item in skipped:
-            heapq.heappush(queue, item)  # type: ignore[arg-type]
-
-
-def least_loaded(candidates: list[NodeSession]) -> NodeSession | None:
-    """The free candidate with the lowest load; ties go to the longest-registered node."""
-    best: NodeSession | None = None
-    for session in candidates:
-        if session.has_capacity and (best is None or session.load < best.load):
-            best = session
-    return best
+            heapq.heappush(queue, item)

@@ -42,8 +42,10 @@ class NodeSession:
         self.closed = False
         #: Set when the node announced it is shutting down: nothing new is scheduled to it.
         self.draining = False
-        #: Called whenever a slot frees up, so queued requests can take it (the scheduler's).
-        self.on_release: Callable[[NodeSession], None] = lambda session: None
+        #: Called when a slot frees up, the node begins draining, or the session joins or leaves
+        #: the registry, so the scheduler can re-rank it and give its free slots to queued
+        #: requests (``Scheduler.update``).
+        self.on_change: Callable[[NodeSession], None] = lambda session: None
 
     @property
     def node_id(self) -> str:
@@ -78,18 +80,19 @@ class NodeSession:
             if inbox is not None:
                 if inbox.abandoned:
                     if message.is_terminal:  # the node confirms the cancelled run is over
-                        self._release(message.run_id)
+                        self.free(message.run_id)
                 else:
                     inbox.put(message)
         elif isinstance(message, Heartbeat):
             pass
         elif isinstance(message, Drain):
             self.draining = True
+            self.on_change(self)
             log.info("node draining", extra={"node_id": self.node_id, "reason": message.reason})
         elif isinstance(message, Error):
             inbox = self.runs.get(message.run_id or "")
             if inbox is not None and inbox.abandoned:
-                self._release(message.run_id or "")
+                self.free(message.run_id or "")
             elif inbox is not None:
                 inbox.fail(message.code, message.message)
             else:
@@ -138,7 +141,7 @@ class NodeSession:
         if inbox is None:
             return False
         if inbox.ended or not inbox.sent or self.closed:
-            self._release(run_id)  # nothing runs on the node for it: the slot is free now
+            self.free(run_id)  # nothing runs on the node for it: the slot is free now
             return False
         inbox.abandoned = True
         with trio.CancelScope(shield=True), trio.move_on_after(cancel_timeout):
@@ -149,6 +152,7 @@ class NodeSession:
                 pass  # the node is gone, and its runs with it
         return False
 
-    def _release(self, run_id: str) -> None:
+    def free(self, run_id: str) -> None:
+        """``run_id`` no longer holds one of this node's slots."""
         if self.runs.pop(run_id, None) is not None:
-            self.on_release(self)
+            self.on_change(self)

@@ -100,12 +100,10 @@ class NodeAcceptor:
     async def _serve(self, session: NodeSession) -> None:
         registry, metrics = self.state.registry, self.state.metrics
         reason = "connection closed"
-        scheduler = self.state.scheduler
-        session.on_release = scheduler.release
+        session.on_change = self.state.scheduler.update
         with session.scope:
-            registry.add(session)
+            registry.add(session)  # through on_change its free slots serve requests already queued
             metrics.connected_nodes.set(len(registry))
-            scheduler.release(session)  # its free slots may serve requests already queued
             log.info(
                 "node registered",
                 extra={"node_id": session.node_id, "peer": session.peer, "models": ",".join(session.info.models)},

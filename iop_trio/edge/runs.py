@@ -160,7 +160,7 @@ class EdgeRun:
             code not in RETRYABLE
             or self.first_token_at is not None
             or self.attempts >= self.state.config.retry.max_attempts
-            or not self.state.scheduler.candidates(self.parsed.model, exclude)
+            or not self.state.scheduler.has_candidates(self.parsed.model, exclude)
         ):
             return False
         log.info(

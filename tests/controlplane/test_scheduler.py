@@ -90,9 +90,8 @@ def make_scheduler(
 
 def register(registry: NodeRegistry, scheduler: Scheduler, session: NodeSession) -> None:
     """What the edge's NodeAcceptor does for a new connection."""
-    session.on_release = scheduler.release
+    session.on_change = scheduler.update
     registry.add(session)
-    scheduler.release(session)
 
 
 def terminal(run_id: str, kind: str = "complete") -> RunEvent:
@@ -332,7 +331,7 @@ async def test_closed_and_draining_nodes_are_not_chosen() -> None:
     draining.draining = True
     busy = make_session("busy", capacity=4, outstanding=3)
     _, scheduler = make_scheduler(closed, draining, busy)
-    assert scheduler.candidates("m") == [busy]
+    assert not scheduler.has_candidates("m", frozenset({"busy"}))
     assert (await scheduler.acquire("m", "r1")).session is busy
     assert closed.runs == {} and draining.runs == {}
 
@@ -343,8 +342,8 @@ async def test_placement_restricts_nodes_by_labels() -> None:
                         labels={"gpu": "a100", "zone": "eu"})
     placement = Placement({"big": ModelPolicy(node_labels={"gpu": "a100"})})
     _, scheduler = make_scheduler(t4, a100, placement=placement)
-    assert scheduler.candidates("big") == [a100]
-    assert scheduler.candidates("small") == [t4, a100]  # no policy: any node
+    assert not scheduler.has_candidates("big", frozenset({"a100"}))
+    assert scheduler.has_candidates("small", frozenset({"a100"}))  # no policy: any node
     # The idle t4 node is not allowed to run "big"; the nearly full a100 is.
     assert (await scheduler.acquire("big", "r1")).session is a100
     assert (await scheduler.acquire("small", "r2")).session is t4
@@ -356,7 +355,8 @@ async def test_exclude() -> None:
     _, scheduler = make_scheduler(a, b)
     assert (await scheduler.acquire("m", "r1", exclude=frozenset({"a"}))).session is b
     assert (await scheduler.acquire("m", "r2", exclude=frozenset({"b", "unknown"}))).session is a
-    assert scheduler.candidates("m", frozenset({"a"})) == [b]
+    assert scheduler.has_candidates("m", frozenset({"a"}))
+    assert not scheduler.has_candidates("m", frozenset({"a", "b"}))
 
 
 async def test_acquire_does_not_touch_the_connection() -> None:
@@ -762,9 +762,8 @@ def test_registry_add_and_lookup() -> None:
     registry.add(b)
     assert len(registry) == 2
     assert registry.sessions() == [a, b]
-    assert registry.serving("m1") == [a]
-    assert registry.serving("m2") == [a, b]
-    assert registry.serving("none") == []
+    assert registry.models() == {"m1": ["a"], "m2": ["a", "b"]}
+    assert registry.serves("m1") and not registry.serves("none")
 
 
 async def test_registry_same_node_id_replaces_and_cancels_old_session() -> None:
@@ -783,8 +782,7 @@ async def test_registry_same_node_id_replaces_and_cancels_old_session() -> None:
     assert not other.scope.cancel_called
     assert len(registry) == 2
     assert set(registry.sessions()) == {new, other}
-    assert registry.serving("m1") == []
-    assert registry.serving("m2") == [new]
+    assert registry.models() == {"m": ["b"], "m2": ["a"]}
 
 
 def test_registry_remove_only_removes_the_current_session() -> None:
@@ -797,11 +795,11 @@ def test_registry_remove_only_removes_the_current_session() -> None:
     # The old connection's teardown must not unregister the node that replaced it.
     registry.remove(old)
     assert registry.sessions() == [new]
-    assert registry.serving("m") == [new]
+    assert registry.holds(new) and not registry.holds(old)
 
     registry.remove(new)
     assert len(registry) == 0
-    assert registry.serving("m") == []
+    assert not registry.serves("m") and not registry.holds(new)
     # Removing something not registered is harmless.
     registry.remove(new)
     registry.remove(make_session("never"))
@@ -827,7 +825,7 @@ async def test_a_removed_node_is_no_longer_a_candidate() -> None:
     b = make_session("b")
     registry, scheduler = make_scheduler(a, b)
     registry.remove(a)
-    assert scheduler.candidates("m") == [b]
+    assert not scheduler.has_candidates("m", frozenset({"b"}))
     assert (await scheduler.acquire("m", "r1")).session is b
 
 

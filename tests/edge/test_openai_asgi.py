@@ -105,7 +105,7 @@ def node(state: EdgeState) -> SilentNode:
     conn = SilentNode()
     info = RegisterRequest(token="t", node_id="n", version="test", models=("m",), capacity=4)
     session = NodeSession(info, NodeConfig(max_concurrency=4, heartbeat_interval=30), conn, "x")  # type: ignore[arg-type]
-    session.on_release = state.scheduler.release
+    session.on_change = state.scheduler.update
     state.registry.add(session)
     return conn
 

@@ -38,7 +38,7 @@ async def test_a_run_whose_end_never_comes_fails_after_its_deadline(tmp_path, au
     conn = SilentNode()
     info = RegisterRequest(token="t", node_id="n", version="test", models=("m",), capacity=1)
     session = NodeSession(info, NodeConfig(max_concurrency=1, heartbeat_interval=30), conn, "x")  # type: ignore[arg-type]
-    session.on_release = state.scheduler.release
+    session.on_change = state.scheduler.update
     state.registry.add(session)
     parsed = ParsedRequest("chat", "m", (ChatMessage("user", "hi"),), "", SamplingParams(), False, False)
     run = await EdgeRun.open(state, parsed)
