@@ -129,41 +129,47 @@ class ResponseReader:
         return data
 
     def _read_chunked(self) -> bytes:
+        """Walk the buffer with an offset and cut what was consumed once at the end: a network
+        read of a stream holds dozens of small chunks, and cutting per chunk moved the rest of
+        the buffer each time."""
         buffer = self._buffer
-        pieces: list[bytes] = []
-        while not self.complete:
-            if self._chunk_state == "data":
-                piece = bytes(buffer[: self._remaining])
-                if not piece:
-                    break
-                del buffer[: len(piece)]
-                pieces.append(piece)
-                self._remaining -= len(piece)
-                if self._remaining:
-                    break
-                self._chunk_state = "data-end"
-                continue
-            if self._chunk_state == "data-end":
-                if len(buffer) < 2:
-                    break
-                if buffer[:2] != b"\r\n":
-                    raise ProtocolError("chunk data not followed by CRLF")
-                del buffer[:2]
-                self._chunk_state = "size"
-                continue
-            end = buffer.find(b"\r\n")
-            if end < 0:
-                if len(buffer) > MAX_CHUNK_LINE:
-                    raise ProtocolError("chunk size line too long")
-                break
-            line = bytes(buffer[:end])
-            del buffer[: end + 2]
-            if self._chunk_state == "trailers":
-                self.complete = not line  # trailer fields are ignored; an empty line ends them
-                continue
-            size = line.split(b";", 1)[0].strip()
-            if not size or size.strip(HEX_DIGITS):
-                raise ProtocolError(f"bad chunk size {line[:100]!r}")
-            self._remaining = int(size, 16)
-            self._chunk_state = "data" if self._remaining else "trailers"
+        pos = 0
+        pieces: list[bytearray] = []
+        try:
+            while not self.complete:
+                if self._chunk_state == "data":
+                    piece = buffer[pos : pos + self._remaining]
+                    if not piece:
+                        break
+                    pos += len(piece)
+                    pieces.append(piece)
+                    self._remaining -= len(piece)
+                    if self._remaining:
+                        break
+                    self._chunk_state = "data-end"
+                elif self._chunk_state == "data-end":
+                    if len(buffer) - pos < 2:
+                        break
+                    if buffer[pos : pos + 2] != b"\r\n":
+                        raise ProtocolError("chunk data not followed by CRLF")
+                    pos += 2
+                    self._chunk_state = "size"
+                else:
+                    end = buffer.find(b"\r\n", pos)
+                    if end < 0:
+                        if len(buffer) - pos > MAX_CHUNK_LINE:
+                            raise ProtocolError("chunk size line too long")
+                        break
+                    line = bytes(buffer[pos:end])
+                    pos = end + 2
+                    if self._chunk_state == "trailers":
+                        self.complete = not line  # trailer fields are ignored; an empty line ends them
+                        continue
+                    size = line.split(b";", 1)[0].strip()
+                    if not size or size.strip(HEX_DIGITS):
+                        raise ProtocolError(f"bad chunk size {line[:100]!r}")
+                    self._remaining = int(size, 16)
+                    self._chunk_state = "data" if self._remaining else "trailers"
+        finally:
+            del buffer[:pos]
         return b"".join(pieces)
