@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-SYSTEM_ORDER = ("direct", "iop-vllm", "iop-mock", "litellm")
+SYSTEM_ORDER = ("direct", "iop-vllm", "iop-mock", "litellm", "hypercorn")
 LABELS = {
     "direct": "(a) backend directly",
     "iop-vllm": "(b) IOP-Trio, vllm adapter",
     "iop-mock": "(c) IOP-Trio, mock adapter",
     "litellm": "(d) LiteLLM proxy",
+    "hypercorn": "(e) hypercorn alone, fixed answer",
 }
 
 
@@ -222,7 +223,7 @@ def chart(results: dict[str, Any], path: Path) -> str:
     if not tp:
         return "no throughput results"
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    colors = {"direct": "#7f7f7f", "iop-vllm": "#1f77b4", "iop-mock": "#2ca02c", "litellm": "#d62728"}
+    colors = {"direct": "#7f7f7f", "iop-vllm": "#1f77b4", "iop-mock": "#2ca02c", "litellm": "#d62728", "hypercorn": "#9467bd"}
     for col, (kind, title) in enumerate((("nonstream", "non-streaming"), ("stream", "streaming, 16 tokens"))):
         keys = sorted((k for k in tp if k.startswith(kind + "-")), key=lambda k: int(k.split("-c")[1]))
         systems = [s for s in SYSTEM_ORDER if any(s in tp[k] for k in keys)]

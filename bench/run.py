@@ -32,7 +32,7 @@ import scenarios  # noqa: E402
 import systems as sut  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-ALL_SYSTEMS = ("direct", "iop-vllm", "iop-mock", "litellm")
+ALL_SYSTEMS = ("direct", "iop-vllm", "iop-mock", "litellm", "hypercorn")
 GROUPS = {
     "throughput": [f"{kind}-c{c}" for kind in ("nonstream", "stream") for c in (1, 32, 64)],
     "cancel": [f"cancel-{phase}" for phase in scenarios.PHASES],
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         skipped["litellm"] = why
                         continue
                     by_name[name] = sut.LiteLLM(exe, workdir / "litellm", pin["sut"], backend.base_url)
+                elif name == "hypercorn":
+                    by_name[name] = sut.HypercornFloor(workdir / "hypercorn", pin["sut"])
                 else:
                     raise SystemExit(f"unknown system {name!r} (known: {', '.join(ALL_SYSTEMS)})")
             except RuntimeError as exc:

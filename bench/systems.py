@@ -4,6 +4,7 @@
   iop-vllm   IOP-Trio: edge + one node with the vllm adapter -> the mock backend (mTLS on)
   iop-mock   IOP-Trio: edge + one node with the mock adapter (no backend hop)
   litellm    LiteLLM's proxy (one worker, no database, master key) -> the mock backend
+  hypercorn  hypercorn alone with a bare ASGI app giving a fixed answer: the floor under the edge
 
 Pinning: the bench itself (load generator) and the mock backend run on core 0, every system under
 test on core 1 (``taskset``), so the figures are per core. Without taskset or a second core the
@@ -154,6 +155,19 @@ class MockBackend(System):
         for model in models:
             args += ["--model", model]
         proc = Proc("mock-backend", args, workdir)
+        self.procs.append(proc)
+        self.base_url = proc.wait_ready()["http"]
+
+
+class HypercornFloor(System):
+    name = "hypercorn"
+    label = "(e) hypercorn alone, fixed answer"
+    has_backend = False
+
+    def __init__(self, workdir: Path, core: int | None) -> None:
+        super().__init__()
+        workdir.mkdir(parents=True, exist_ok=True)
+        proc = Proc("hypercorn-floor", [*pin_prefix(core), sys.executable, str(BENCH / "http_floor.py")], workdir)
         self.procs.append(proc)
         self.base_url = proc.wait_ready()["http"]
 

@@ -1,7 +1,7 @@
 """The bench's quick mode, end to end, so bench/ never rots.
 
 Runs ``bench/run.py --quick`` on a subset (the backend directly, IOP-Trio with the mock adapter
-and with the vllm adapter; non-streaming and streaming at concurrency 1; one cancellation phase)
+and with the vllm adapter, hypercorn alone; non-streaming and streaming at concurrency 1; one cancellation phase)
 as real processes, and checks that it produced sane numbers. Never a timed assertion: the
 targets are judged by the full bench run, by people, not here.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("direct", "iop-mock", "iop-vllm")
+SYSTEMS = ("direct", "iop-mock", "iop-vllm", "hypercorn")
 HARD_TIMEOUT = 120
 
 
