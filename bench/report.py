@@ -201,6 +201,7 @@ def markdown(results: dict[str, Any], findings: str) -> str:
         "- (a) is the mock backend with no gateway: its figures are the floor under every other row, and at high "
         "concurrency they are limited by the load generator that shares core 0 with it.",
         "- (c) has no backend hop, so (b) - (c) is what the vllm adapter and the extra HTTP hop cost.",
+        "- (e) is hypercorn alone answering from a bare ASGI app: the floor under the edge, whose HTTP server DESIGN.md fixes as hypercorn. (b) - (e) is what the edge's own work, the IOP hop, the node and the backend hop cost together.",
         "- Cancellation phases: *queued* = waiting in the backend's queue (its only slot is busy), *before_first_token* = "
         "backend accepted, first token 3 s away, *mid_stream* = after 3 tokens, *non_stream* = a non-streaming request being generated.",
         "",
