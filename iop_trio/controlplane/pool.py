@@ -4,8 +4,8 @@ A full scan over the model's nodes per request cost the edge ~1.9 ms of CPU per 
 1,000 nodes (bench/results). Instead each model keeps a heap of ``(load, order, version,
 session)``; whenever a session's load or state changes the scheduler calls :meth:`update`, which
 pushes a fresh entry and makes the session's older entries stale. Stale entries are dropped when
-they reach the top, and the heap is rebuilt when they outnumber the live ones, so its size stays
-proportional to the number of nodes.
+they reach the top, and the heap is rebuilt whenever they outnumber the live ones (on a removal
+too), so its size stays proportional to the number of member nodes.
 
 Members are the sessions that serve the model, are schedulable (not closed, not draining) and
 that placement allows (labels are fixed at registration, placement at start-up), so those
@@ -54,14 +54,13 @@ class NodePool:
         if not eligible:
             if member is not None and member.session is session:
                 del self._members[node_id]  # its heap entries are stale from now on
+                self._trim()
             return
         if member is None or member.session is not session:  # new, or re-registered under its id
             member = self._members[node_id] = _Member(session, next(self._orders))
         member.version += 1
-        if len(self._heap) > REBUILD_FACTOR * len(self._members) + REBUILD_SLACK:
-            self._rebuild()
-        else:
-            heapq.heappush(self._heap, (session.load, member.order, member.version, session))
+        heapq.heappush(self._heap, (session.load, member.order, member.version, session))
+        self._trim()
 
     def remove(self, session: NodeSession) -> None:
         self.update(session, eligible=False)
@@ -102,6 +101,9 @@ class NodePool:
         """The members in registration order."""
         return [m.session for m in sorted(self._members.values(), key=lambda m: m.order)]
 
-    def _rebuild(self) -> None:
-        self._heap = [(m.session.load, m.order, m.version, m.session) for m in self._members.values()]
-        heapq.heapify(self._heap)
+    def _trim(self) -> None:
+        """Rebuild from the members once stale entries outnumber them, so the heap (and the
+        sessions its entries keep alive) never outgrows the pool."""
+        if len(self._heap) > REBUILD_FACTOR * len(self._members) + REBUILD_SLACK:
+            self._heap = [(m.session.load, m.order, m.version, m.session) for m in self._members.values()]
+            heapq.heapify(self._heap)

@@ -145,15 +145,19 @@ class Scheduler:
 
     def _rank(self, session: NodeSession) -> None:
         for model in session.info.models:
-            pool = self._pools.get(model)
-            if pool is None:
-                pool = self._pools[model] = NodePool(self._registrations)
-            pool.update(
-                session,
+            eligible = (
                 session.schedulable
                 and self.registry.holds(session)
-                and self.placement.allows(model, session.info.labels),
+                and self.placement.allows(model, session.info.labels)
             )
+            pool = self._pools.get(model)
+            if pool is None:
+                if not eligible:
+                    continue
+                pool = self._pools[model] = NodePool(self._registrations)
+            pool.update(session, eligible)
+            if not len(pool):
+                del self._pools[model]  # model names come and go (versions, fine-tunes)
 
     def _reserve(self, session: NodeSession, run_id: str) -> RunInbox:
         inbox = session.reserve(run_id)

@@ -117,3 +117,22 @@ def test_many_changes_on_few_nodes_keep_the_heap_small() -> None:
         pool.update(a, True)
     assert len(pool._heap) <= REBUILD_FACTOR + REBUILD_SLACK + 1
     assert pool.pick() is a
+
+
+def test_the_heap_shrinks_when_members_leave() -> None:
+    """Stale entries piled up by one busy node are dropped when the others leave, not kept (with
+    the sessions they point to) until something is added again."""
+    pool = NodePool(itertools.count())
+    sessions = [make_session(f"n{i}", capacity=2) for i in range(NODES)]
+    for session in sessions:
+        pool.update(session, True)
+    busy = sessions[0]
+    for i in range(REBUILD_SLACK // 2):
+        busy.reserve(f"r{i}")
+        pool.update(busy, True)
+        busy.free(f"r{i}")
+        pool.update(busy, True)
+    for session in sessions:
+        pool.remove(session)
+        assert len(pool._heap) <= REBUILD_FACTOR * len(pool) + REBUILD_SLACK
+    assert len(pool) == 0

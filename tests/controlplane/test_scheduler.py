@@ -3,6 +3,8 @@ on NodeSession objects built without a network."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 
 import pytest
@@ -827,6 +829,29 @@ async def test_a_removed_node_is_no_longer_a_candidate() -> None:
     registry.remove(a)
     assert not scheduler.has_candidates("m", frozenset({"b"}))
     assert (await scheduler.acquire("m", "r1")).session is b
+
+
+async def test_nodes_that_left_are_not_kept_alive_by_the_scheduler() -> None:
+    """Nodes that served a model, or a model name of their own (versions, fine-tunes), and left:
+    nothing in the scheduler still refers to them, and it keeps working for newcomers."""
+    shared = [make_session(f"s{i}", models=("x",), capacity=2) for i in range(300)]
+    own = [make_session(f"o{i}", models=(f"x-v{i}",)) for i in range(100)]
+    registry, scheduler = make_scheduler(*shared, *own)
+    for i in range(len(shared)):
+        await scheduler.acquire("x", f"r{i}")
+    for session in shared:
+        (run_id,) = session.runs
+        session.free(run_id)
+    refs = [weakref.ref(session) for session in (*shared, *own)]
+    for session in (*shared, *own):
+        registry.remove(session)
+        session.close("gone")
+    del shared, own, session
+    gc.collect()
+    assert [ref for ref in refs if ref() is not None] == []
+    newcomer = make_session("new", models=("x",))
+    register(registry, scheduler, newcomer)
+    assert (await scheduler.acquire("x", "r-new")).session is newcomer
 
 
 async def test_registry_describe() -> None:
