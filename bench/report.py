@@ -160,18 +160,21 @@ def markdown(results: dict[str, Any], findings: str) -> str:
     nodes = results.get("many_nodes")
     if nodes:
         out += [f"## Many nodes on one edge (simulated, mTLS, heartbeat every {nodes['heartbeat_interval_s']:g} s)", "",
-                "| nodes | registered in s | edge RSS MB | edge KiB/node | edge CPU at rest | c=1 p50 ms | c=16 req/s | edge CPU ms/req | errors |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| nodes | registered in s | edge RSS MB | edge KiB/node | edge CPU at rest | c=1 p50 ms | c=16 req/s | edge CPU ms/req | scheduling decision us | errors |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for label in ("one", "many"):
             e = nodes[label]
             out.append(f"| {e['nodes']:,} | {_fmt(e['register_s'], 2)} | {_fmt(e['edge_rss_mb'])} | {_fmt(e['edge_kib_per_node'])} | "
-                       f"{_fmt(e['edge_rest_cpu_pct'], 2)}% | {_fmt(e['c1_p50_ms'], 2)} | {_fmt(e['c16_rps'])} | {_fmt(e['edge_cpu_per_request_ms'], 3)} | {e['errors']} |")
+                       f"{_fmt(e['edge_rest_cpu_pct'], 2)}% | {_fmt(e['c1_p50_ms'], 2)} | {_fmt(e['c16_rps'])} | {_fmt(e['edge_cpu_per_request_ms'], 3)} | "
+                       f"{_fmt(e.get('decision_us'))} | {e['errors']} |")
         prof = _get(nodes, "many", "edge_profile_c16") or {}
         if prof.get("self"):
             out += ["", f"Edge with {nodes['nodes']:,} nodes under c=16 load, top functions (self, % of busy samples): "
                     + ", ".join(f"`{n}` {v}%" for n, v in prof["self"][:8])]
         out += ["", f"Scheduling among {nodes['nodes']:,} nodes instead of 1 adds {_fmt(nodes.get('scheduling_added_p50_ms'), 3)} ms "
-                f"to the c=1 p50 and {_fmt(nodes.get('scheduling_added_cpu_ms'), 3)} ms of edge CPU per request.", ""]
+                f"to the c=1 p50 and {_fmt(nodes.get('scheduling_added_cpu_ms'), 3)} ms of edge CPU per request. "
+                "*Scheduling decision* is the mean of the edge's `iop_schedule_wait_seconds` over the c=16 load "
+                "(no request queued: every node had free slots), i.e. the time to pick a node and reserve its slot.", ""]
     profiles = results.get("profiles", {})
     if profiles:
         out += ["## Where the time goes (py-spy, % of busy samples, inclusive by component)", ""]

@@ -7,7 +7,8 @@
   seeing its own connection close (both clocks CLOCK_MONOTONIC on one host).
 * many streams: N slow streams open at once on one edge; RSS per stream and that all complete.
 * many nodes: N simulated nodes registered and heartbeating to one edge; edge CPU at rest and
-  the cost of a scheduling decision.
+  the cost of a scheduling decision (the edge's own ``iop_schedule_wait_seconds``, and the
+  added latency and CPU per request).
 """
 
 from __future__ import annotations
@@ -240,7 +241,9 @@ def many_nodes(workdir: Path, count: int, *, sut_core: int | None, load_core: in
                 c1 = asyncio.run(run_load(target, concurrency=1, duration=duration, warmup=min(1.0, duration / 2), sut_pids=cluster.edge_pids))
                 raw = workdir / f"edge-{n}-nodes.raw"
                 spy = profiling.start(cluster.edge_pids[0], duration, raw, load_core)
+                waited_before = _schedule_wait(cluster)
                 c16 = asyncio.run(run_load(target, concurrency=16, duration=duration, warmup=min(1.0, duration / 2), sut_pids=cluster.edge_pids))
+                waited_after = _schedule_wait(cluster)
                 edge_profile = _finish_profile(spy, raw)
             finally:
                 served = _stop_sims(sims)
@@ -255,6 +258,7 @@ def many_nodes(workdir: Path, count: int, *, sut_core: int | None, load_core: in
                 "c1_rps": c1["rps"],
                 "c16_rps": c16["rps"],
                 "edge_cpu_per_request_ms": c16["sut_cpu_per_request_ms"],
+                "decision_us": _mean_us(waited_before, waited_after),
                 "errors": c1["errors"] + c16["errors"],
                 "error_samples": (c1["error_samples"] + c16["error_samples"])[:2],
                 "nodes_that_served": len(served),
@@ -270,6 +274,23 @@ def many_nodes(workdir: Path, count: int, *, sut_core: int | None, load_core: in
     if one["edge_cpu_per_request_ms"] and many["edge_cpu_per_request_ms"]:
         out["scheduling_added_cpu_ms"] = round(many["edge_cpu_per_request_ms"] - one["edge_cpu_per_request_ms"], 3)
     return out
+
+
+def _schedule_wait(cluster: IopCluster) -> tuple[float, float]:
+    """The edge's ``iop_schedule_wait_seconds`` histogram: (sum, count) so far."""
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("iop_schedule_wait_seconds_sum", "iop_schedule_wait_seconds_count"):
+            values[name] = float(value)
+    return values.get("iop_schedule_wait_seconds_sum", 0.0), values.get("iop_schedule_wait_seconds_count", 0.0)
+
+
+def _mean_us(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    count = after[1] - before[1]
+    return round(1e6 * (after[0] - before[0]) / count, 1) if count else None
 
 
 # ---- profiles ------------------------------------------------------------------------------

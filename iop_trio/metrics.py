@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: A pick among free nodes takes microseconds; a wait in the queue up to ``queue.timeout``.
+SCHEDULE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 
 
 class EdgeMetrics:
@@ -24,6 +26,12 @@ class EdgeMetrics:
         self.queued = Gauge("iop_queued_requests", "Requests waiting for a free node", registry=self.registry)
         self.active_runs = Gauge("iop_active_runs", "Runs in flight", registry=self.registry)
         self.connected_nodes = Gauge("iop_connected_nodes", "Registered nodes", registry=self.registry)
+        self.schedule_wait = Histogram(
+            "iop_schedule_wait_seconds",
+            "From a run attempt entering the scheduler to a slot reserved on a node (queueing included)",
+            buckets=SCHEDULE_BUCKETS,
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "iop_time_to_first_token_seconds",
             "From request to the first generated token",

@@ -86,9 +86,11 @@ class EdgeRun:
 
     async def _attempt(self) -> None:
         run_id = new_run_id()
+        entered = trio.current_time()
         grant = await self.state.scheduler.acquire(
             self.parsed.model, run_id, self.priority, frozenset(self.tried)
         )
+        self.state.metrics.schedule_wait.observe(trio.current_time() - entered)
         self.session, self.inbox, self.run_id = grant.session, grant.inbox, run_id
         self.tried.append(grant.session.node_id)
         self.attempts += 1

@@ -514,6 +514,12 @@ async def test_saturation_queue_full_and_the_waiter_is_served(nursery, certs, tm
         assert first.ended_at is not None and second.ended_at is not None
         assert second.ended_at >= first.ended_at
         assert scheduler.waiting("m") == 0
+        # Two attempts got a slot (the refused ones are not observed); the second waited for the
+        # first to end, most of the first's second-long run.
+        registry = stack.state.metrics.registry
+        assert registry.get_sample_value("iop_schedule_wait_seconds_count") == 2
+        assert registry.get_sample_value("iop_schedule_wait_seconds_sum") > 0.5
+        assert registry.get_sample_value("iop_schedule_wait_seconds_bucket", {"le": "0.0025"}) == 1
         await wait_until(lambda: stack.session.outstanding == 0 and stack.state.runs_in_flight == 0)
 
 
