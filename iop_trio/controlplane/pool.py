@@ -62,9 +62,6 @@ class NodePool:
         heapq.heappush(self._heap, (session.load, member.order, member.version, session))
         self._trim()
 
-    def remove(self, session: NodeSession) -> None:
-        self.update(session, eligible=False)
-
     def pick(self, exclude: frozenset[str] = frozenset()) -> NodeSession | None:
         """The least loaded member with a free slot that is not in ``exclude``, or None."""
         heap = self._heap
@@ -96,10 +93,6 @@ class NodePool:
         return any(
             m.session.schedulable and node_id not in exclude for node_id, m in self._members.items()
         )
-
-    def sessions(self) -> list[NodeSession]:
-        """The members in registration order."""
-        return [m.session for m in sorted(self._members.values(), key=lambda m: m.order)]
 
     def _trim(self) -> None:
         """Rebuild from the members once stale entries outnumber them, so the heap (and the
