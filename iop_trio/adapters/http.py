@@ -196,7 +196,7 @@ def parse_json_line(line: str, what: str) -> dict[str, Any]:
         data, end = _JSON_DECODE(line)
         if end != len(line):
             raise ValueError("extra data after the JSON value")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
         raise BackendError("backend_protocol_error", f"malformed {what}: {line[:200]!r}") from exc
     if not isinstance(data, dict):
         raise BackendError("backend_protocol_error", f"malformed {what}: not an object")

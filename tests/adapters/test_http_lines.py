@@ -23,6 +23,7 @@ def test_an_object_is_returned() -> None:
         "",
         "[1, 2]",  # valid JSON, not an object
         '"text"',
+        "[" * 100_000,  # nested deeper than the decoder can recurse
     ],
 )
 def test_anything_but_one_object_is_a_protocol_error(line: str) -> None:
