@@ -111,7 +111,7 @@ def error_detail(body: bytes) -> str:
     text = body[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace").strip()
     try:
         data: Any = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text or "(empty body)"
     error = data.get("error") if isinstance(data, dict) else None
     if isinstance(error, dict):
@@ -217,5 +217,5 @@ async def get_json(client: BackendClient, path: str, read_timeout: float) -> Any
         raise status_error(status, error_detail(body))
     try:
         return json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise BackendError("backend_protocol_error", f"GET {path} did not return JSON") from exc

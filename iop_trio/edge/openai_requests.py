@@ -38,7 +38,7 @@ def invalid(message: str, param: str | None = None) -> ApiError:
 def parse_json_object(raw: bytes | str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # Recursion: nested too deep
         raise invalid(f"We could not parse the JSON body of your request: {exc}") from exc
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.")

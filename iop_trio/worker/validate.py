@@ -59,7 +59,7 @@ def _parse_line(
 ) -> tuple[NewLine | None, InputError | None]:
     try:
         request = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder recurses
         return None, InputError("invalid_json_line", "This line is not parseable as valid JSON.", number)
     if not isinstance(request, dict):
         return None, InputError("invalid_request", "Each line must be a JSON object.", number)

@@ -241,9 +241,10 @@ async def test_a_body_that_does_not_arrive_is_408(state, autojump_clock) -> None
     error_of(client)
 
 
-async def test_invalid_json_is_400(state, nursery) -> None:
+@pytest.mark.parametrize("body", [b"{nope", b"[" * (LIMIT - 1)], ids=["malformed", "nested too deep"])
+async def test_invalid_json_is_400(state, nursery, body: bytes) -> None:
     client = Client(OpenAIFastPath(state, create_app(state)), "POST", "/v1/chat/completions")
-    await client.to_app.send({"type": "http.request", "body": b"{nope", "more_body": False})
+    await client.to_app.send({"type": "http.request", "body": body, "more_body": False})
     await client.run()
     assert client.status == 400
     assert error_of(client)["code"] == "invalid_request"

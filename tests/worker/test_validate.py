@@ -39,6 +39,7 @@ def test_each_kind_of_invalid_line_is_reported_with_its_line_and_param() -> None
         json.dumps({"custom_id": "d", "method": "POST", "url": CHAT, "body": "text"}),
         line("e", stream=True),
         json.dumps({"custom_id": "f", "method": "POST", "url": CHAT, "body": {"model": "unknown"}}),
+        "[" * 100_000,  # nested deeper than the decoder can recurse
     ) == [
         ("invalid_json_line", 2, None),
         ("invalid_request", 3, None),
@@ -49,6 +50,7 @@ def test_each_kind_of_invalid_line_is_reported_with_its_line_and_param() -> None
         ("invalid_request", 8, "body"),
         ("invalid_request", 9, "body.stream"),
         ("model_not_found", 10, "body.model"),
+        ("invalid_json_line", 11, None),
     ]
 
 
