@@ -176,6 +176,19 @@ class Cluster:
         keys = yaml.safe_load(self.edge_config.read_text())["api_keys"]
         return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
+    def metric(self, name: str) -> float | None:
+        """One unlabelled sample from the edge's ``/metrics``."""
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            sample, _, value = line.partition(" ")
+            if sample == name:
+                return float(value)
+        return None
+
+    def node_state(self, node_id: str) -> str | None:
+        """The node's state in ``/admin/nodes`` (the edge config needs ``admin_key: adm``)."""
+        nodes = httpx.get(f"{self.url}/admin/nodes", headers={"Authorization": "Bearer adm"}).json()["data"]
+        return next((node["state"] for node in nodes if node["node_id"] == node_id), None)
+
     def runs(self, node_id: str) -> list[dict[str, Any]]:
         db = self.workdir / "data" / node_id / "runs.db"
         with sqlite3.connect(db) as conn:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import openai
 import pytest
@@ -69,7 +68,7 @@ def test_kill_9_retries_runs_before_first_token_and_fails_streams_mid_way(tmp_pa
 
 
 def test_sigterm_drains_a_node_while_the_fleet_keeps_serving(tmp_path) -> None:
-    cluster = Cluster(tmp_path)
+    cluster = Cluster(tmp_path, edge_extra={"admin_key": "adm"})
     try:
         cluster.start_edge()
         draining = cluster.start_node("node-a", [{**STREAMING, "options": {"tokens": 40, "token_delay": 0.05}}])
@@ -80,7 +79,7 @@ def test_sigterm_drains_a_node_while_the_fleet_keeps_serving(tmp_path) -> None:
         next(chunks)
         cluster.start_node("node-b", [{**STREAMING, "options": {"tokens": 3}}])
         draining.signal(signal.SIGTERM)
-        time.sleep(0.3)  # let the drain notice cross; requests now must avoid node-a
+        eventually(lambda: cluster.node_state("node-a") == "draining")  # requests now must avoid node-a
         for _ in range(4):
             reply = client.chat.completions.create(model="s", messages=MESSAGES)
             assert len(reply.choices[0].message.content.split()) == 3
@@ -103,7 +102,7 @@ def test_a_saturated_fleet_answers_429_with_retry_after(tmp_path) -> None:
         running = in_thread(client.chat.completions.create, model="s", messages=MESSAGES)
         eventually(lambda: cluster.runs("node-a"))
         queued = in_thread(client.chat.completions.create, model="s", messages=MESSAGES)
-        time.sleep(0.2)
+        eventually(lambda: cluster.metric("iop_queued_requests") == 1)
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="s", messages=MESSAGES)
         assert refused.value.code == "queue_full"
